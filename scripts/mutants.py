@@ -1254,6 +1254,73 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_virtual_stages.py::test_the_release_form_is_checked_on_the_trees_parallel_state",
                "tests/migrate/test_migrate_virtual_stages.py::test_the_tool_reads_the_form_of_the_trees_own_release"),
     ),
+    Mutant(
+        name="migrate-journal-trusted-whatever-it-lists",
+        bug="migrate finishes any journal found at the project root: rolling back, it removes every file a row "
+        "lists as a temporary one, anywhere on disk, in any mode",
+        file="pgregistry/migrate/_writing.py",
+        find="files = [_journal_row(row, root) for row in rows]",
+        replace='files = [(Path(r["target"]), Path(r["temporary"]), r["old"], r["new"]) for r in rows]',
+        tests=("tests/migrate/test_migrate_writing.py::"
+               "test_a_journal_listing_files_this_tool_never_writes_is_refused_and_nothing_is_removed",),
+    ),
+    Mutant(
+        name="migrate-drops-the-last-line-ending",
+        bug="migrate keeps libcst's render of a file it reads without a final newline: a CR-only file, or one "
+        "ending in a comment that ends with a backslash, loses its last line ending outside any rewrite",
+        file="pgregistry/migrate/_rewrite.py",
+        find="return module.code + self.dropped_ending",
+        replace="return module.code",
+        tests=("tests/migrate/test_migrate_files.py::test_the_last_line_ending_is_kept_whatever_the_line_endings",),
+    ),
+    Mutant(
+        name="allowlist-link-replaced-by-a-copy",
+        bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
+        "named keeps the old list; a link out of the project is written through",
+        file="pgregistry/allowlist/_ratchet.py",
+        find="    if path.is_symlink():\n        target = Path(os.path.realpath(path))",
+        replace="    if False:\n        target = Path(os.path.realpath(path))",
+        tests=(
+            "tests/allowlist/test_allowlist_reliability.py::"
+            "test_an_allowlist_that_is_a_link_stays_a_link_and_its_file_is_updated",
+            "tests/allowlist/test_allowlist_reliability.py::"
+            "test_an_allowlist_that_is_a_link_out_of_the_project_is_refused_and_nothing_is_written",
+        ),
+    ),
+    Mutant(
+        name="allowlist-key-twice-keeps-the-last",
+        bug="a file's entries listed twice in the allowlist (a merge) are read as the last block: a partial "
+        "update drops the first block's entries",
+        file="pgregistry/allowlist/_ratchet.py",
+        find="json.loads(text, object_pairs_hook=_object_of_distinct_keys)",
+        replace="json.loads(text)",
+        tests=("tests/allowlist/test_allowlist_reliability.py::"
+               "test_a_path_listed_twice_is_refused_naming_it_and_no_entry_is_dropped",),
+    ),
+    Mutant(
+        name="fifo-read-blocking",
+        bug="a file the tools read (a source, the allowlist, migrate's journal) is opened blocking: a FIFO there "
+        "waits for a writer forever",
+        file="pgregistry/_source/files.py",
+        find='handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))',
+        replace="handle = os.open(path, os.O_RDONLY)",
+        tests=(
+            "tests/allowlist/test_allowlist_reliability.py::test_a_fifo_that_replaces_a_file_after_discovery_does_not_block",
+            "tests/allowlist/test_allowlist_reliability.py::"
+            "test_a_fifo_in_place_of_the_allowlist_or_megatrons_list_is_named_not_waited_on",
+            "tests/migrate/test_migrate_cli.py::test_a_fifo_that_replaces_a_file_after_discovery_does_not_block",
+        ),
+    ),
+    Mutant(
+        name="unlistable-directory-passed-over",
+        bug="a directory the walk cannot list is passed over silently: check judges the tree without its "
+        "files, a full update drops their entries",
+        file="pgregistry/_source/files.py",
+        find="os.walk(target, onerror=_refuse_unlisted)",
+        replace="os.walk(target)",
+        tests=("tests/allowlist/test_allowlist_reliability.py::"
+               "test_a_directory_that_cannot_be_listed_is_named_not_skipped",),
+    ),
 )
 
 

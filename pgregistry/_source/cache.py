@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pgregistry._source.config import ScanConfig
+from pgregistry._source.files import read_regular_file
 from pgregistry._source.scanner import FileResult, decode_result, encode_result
 from pgregistry._source.storage import atomic_write
 
@@ -48,8 +49,7 @@ class ScanCache:
 
     def _load_entries(self) -> dict[str, list[Any]]:
         try:
-            with self.file.open("rb") as handle:
-                payload = json.load(handle)
+            payload = json.loads(read_regular_file(self.file)[0])  # a FIFO there is not waited on
         except (OSError, ValueError):
             return {}
         if not isinstance(payload, dict) or payload.get("fingerprint") != self.fingerprint:

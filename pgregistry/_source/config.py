@@ -195,6 +195,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:  # TOML is UTF-8; tomllib lets the decoder's error through
+        raise ConfigError(f"{path} is not valid TOML: not UTF-8 ({error})") from None
     return data
 
 

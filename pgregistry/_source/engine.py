@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import marshal
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +27,7 @@ from typing import Any
 
 from pgregistry._source.cache import ScanCache, content_key
 from pgregistry._source.config import ScanConfig
-from pgregistry._source.files import SourceFile
+from pgregistry._source.files import SourceFile, read_regular_file
 from pgregistry._source.processes import Child, can_fork, start_child
 from pgregistry._source.scanner import (
     FileResult,
@@ -42,6 +41,7 @@ __all__ = [
     "PARALLEL_MIN_BYTES",
     "ScanReport",
     "default_jobs",
+    "read_source",
     "scan_files",
     "scan_sources",
     "split_into_buckets",
@@ -140,26 +140,15 @@ def _scan_parallel(
     return [result for result in results if result is not None], len(split)
 
 
-def _read_source_bytes(source: SourceFile) -> bytes | FileResult:
-    """The file's bytes; a failure for anything but a regular file.
+def read_source(source: SourceFile) -> tuple[bytes, int] | FileResult:
+    """The file's bytes and modification time (ns); a failure for anything but a regular file.
 
-    Opened non-blocking and checked with ``fstat`` before reading, so a FIFO (or a file swapped for
-    one after discovery) never blocks the scan."""
+    Read by :func:`~pgregistry._source.files.read_regular_file`, so a FIFO (or a file swapped for
+    one after discovery) never blocks the scan, nor ``migrate``, which reads with it too."""
     try:
-        handle = os.open(source.absolute, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return read_regular_file(source.absolute)
     except OSError as error:
         return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
-    try:
-        if not stat.S_ISREG(os.fstat(handle).st_mode):
-            return FileResult(
-                source.path, failure=ParseFailure("cannot read: not a regular file", 1, 1)
-            )
-        with os.fdopen(handle, "rb", closefd=False) as stream:
-            return stream.read()
-    except OSError as error:
-        return FileResult(source.path, failure=ParseFailure(f"cannot read: {error.strerror}", 1, 1))
-    finally:
-        os.close(handle)
 
 
 def scan_files(
@@ -170,8 +159,13 @@ def scan_files(
     jobs: int = 1,
 ) -> ScanReport:
     """Scan ``files``: cached results where cached, the rest parsed on up to ``jobs`` cores."""
-    read = [(source.path, _read_source_bytes(source)) for source in files]
-    return scan_sources(read, config, cache=cache, jobs=jobs)
+    read = [(source.path, read_source(source)) for source in files]
+    return scan_sources(
+        [(path, data if isinstance(data, FileResult) else data[0]) for path, data in read],
+        config,
+        cache=cache,
+        jobs=jobs,
+    )
 
 
 def scan_sources(

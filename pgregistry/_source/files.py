@@ -8,6 +8,7 @@ files too, so a run that passes file names cannot bring an excluded file back.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,7 @@ __all__ = [
     "make_absolute",
     "path_kind",
     "project_path",
+    "read_regular_file",
 ]
 
 
@@ -138,6 +140,23 @@ def path_kind(path: Path) -> str | None:
     return next((kind for is_kind, kind in _KINDS if is_kind(mode)), "not a regular file")
 
 
+def read_regular_file(path: Path) -> tuple[bytes, int]:
+    """The bytes and modification time (ns) of the regular file at ``path``; ``OSError`` for any
+    other thing there.
+
+    Opened non-blocking and checked with ``fstat`` before it is read: a FIFO (a device, a socket)
+    where a file was expected, or swapped in after the walk, is refused at once, never waited on."""
+    handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        status = os.fstat(handle)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        with os.fdopen(handle, "rb", closefd=False) as stream:
+            return stream.read(), status.st_mtime_ns
+    finally:
+        os.close(handle)
+
+
 def _is_regular_file(path: Path) -> bool:
     try:
         return stat.S_ISREG(path.stat().st_mode)
@@ -145,12 +164,24 @@ def _is_regular_file(path: Path) -> bool:
         return False
 
 
+def _refuse_unlisted(error: OSError) -> None:
+    """``os.walk``'s ``onerror``: a directory it cannot list is :class:`PathError` naming it.
+
+    ``os.walk`` passes over one silently: its files would be neither scanned nor migrated (and a
+    full ``allowlist update`` would drop their entries)."""
+    raise PathError(
+        f"{error.filename}: cannot list it: {error.strerror or error}; make it readable, or "
+        "exclude it (--extend-exclude)"
+    )
+
+
 def discover_files(targets: Sequence[Path], root: Path, exclude: Sequence[str]) -> Discovery:
     """The files to scan under ``targets`` (absolute files or directories).
 
     Directories contribute their ``*.py`` files that are regular files (the others are listed as
     skipped); a file named directly is scanned whatever its suffix. Raises :class:`PathError` for a
-    target that does not exist or is neither a regular file nor a directory."""
+    target that does not exist or is neither a regular file nor a directory, and for a directory
+    that cannot be listed."""
     excluder = _Excluder(exclude)
     found: dict[str, SourceFile] = {}
     skipped: list[str] = []
@@ -164,7 +195,7 @@ def discover_files(targets: Sequence[Path], root: Path, exclude: Sequence[str]) 
         elif target.is_dir():
             if relative != "." and excluder.any_level(relative):
                 continue
-            for directory, subdirectories, filenames in os.walk(target):
+            for directory, subdirectories, filenames in os.walk(target, onerror=_refuse_unlisted):
                 base = project_path(Path(directory), root)
                 prefix = "" if base == "." else base + "/"
                 subdirectories[:] = [

@@ -36,6 +36,7 @@ from pgregistry._source.files import (
     is_under,
     make_absolute,
     project_path,
+    read_regular_file,
 )
 from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
 from pgregistry._source.scanner import FileResult
@@ -48,6 +49,7 @@ from pgregistry.allowlist._ratchet import (
     Comparison,
     FutureAllowlistError,
     compare_counts,
+    file_to_rewrite,
     read_bytes,
 )
 from pgregistry.allowlist._report import (
@@ -283,8 +285,12 @@ def run_action(args: argparse.Namespace) -> int:
         if code:
             return code
     if args.allowlist_action in ("update", "import"):
+        try:
+            rewritten = file_to_rewrite(allowlist_path, settings.root)
+        except AllowlistError as error:
+            return _print_error(str(error), fmt)
         return _update_allowlist(
-            args, results, is_judged, allowlist_path, name, partial=bool(args.paths or unjudged)
+            args, results, is_judged, rewritten, name, partial=bool(args.paths or unjudged)
         )
     try:
         if args.allowlist_action == "check":
@@ -416,7 +422,8 @@ def _check_import(args: argparse.Namespace, results: list[FileResult]) -> int:
     the import grandfathers beyond it."""
     fmt: str = args.format
     try:
-        entries = parse_megatron_list(args.source.read_text(encoding="utf-8"), str(args.source))
+        text = read_regular_file(args.source)[0].decode("utf-8")  # a FIFO is not waited on
+        entries = parse_megatron_list(text, str(args.source))
     except OSError as error:
         return _print_error(f"{args.source}: cannot read: {error.strerror or error}", fmt)
     except (AllowlistError, UnicodeDecodeError) as error:

@@ -20,11 +20,13 @@ new reads through.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pgregistry._source.files import read_regular_file
 from pgregistry._source.scanner import FileResult, Site
 from pgregistry._source.storage import StorageError, atomic_write
 from pgregistry.allowlist._moves import Move, pair_moves
@@ -37,6 +39,7 @@ __all__ = [
     "FutureAllowlistError",
     "Mismatch",
     "compare_counts",
+    "file_to_rewrite",
     "parse_json",
     "read_bytes",
 ]
@@ -59,23 +62,70 @@ class FutureAllowlistError(AllowlistError):
     """The allowlist was written by a newer pgregistry: never rewrite it (losing its new fields)."""
 
 
+def file_to_rewrite(path: Path, root: Path) -> Path:
+    """The file an update of the allowlist at ``path`` rewrites: it, or the one a link there names.
+
+    A rename over a symbolic link would make it a regular file holding a copy, and leave the file
+    it named with the old list: the link stays, the file it names is rewritten. Only one of the
+    project at ``root`` (links resolved): :class:`AllowlistError` for a link to any other, which a
+    repository's link must not have an update write over (a full update replaces a file that is no
+    allowlist). A read-only one is refused too, as ``migrate --write`` refuses a read-only source:
+    the rename would replace it, even as root."""
+    target = path
+    if path.is_symlink():
+        target = Path(os.path.realpath(path))
+        if not target.is_relative_to(os.path.realpath(root)):
+            raise AllowlistError(
+                f"{path} is a link to {target}, outside the project {root}: an update writes only "
+                "the project's files; update that list from its own project, or put the file in "
+                "the link's place"
+            )
+    if target.is_file() and not (os.access(target, os.W_OK) and target.stat().st_mode & 0o222):
+        raise AllowlistError(f"{path}: read-only; make it writable to update it")
+    return target
+
+
 def read_bytes(path: Path) -> bytes | None:
-    """The file's bytes, or None when it does not exist (other OS errors propagate)."""
+    """The file's bytes, or None when it does not exist (other OS errors propagate).
+
+    A FIFO or device there is an ``OSError`` at once (``not a regular file``), never waited on."""
     try:
-        return path.read_bytes()
+        return read_regular_file(path)[0]
     except FileNotFoundError:
         return None
+
+
+class _DuplicateKeyError(ValueError):
+    """A JSON object holds a key twice; its argument is the key."""
+
+
+def _object_of_distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; :class:`_DuplicateKeyError` when a key occurs twice in it.
+
+    ``json.loads`` alone keeps the last: a file's entries listed twice would lose the first ones."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _DuplicateKeyError(key)
+        found[key] = value
+    return found
 
 
 def parse_json(text: str, name: str, what: str) -> Any:
     """``text`` as JSON; :class:`AllowlistError` naming the file, line and column when malformed.
 
-    ``what`` names the format (``allowlist JSON``; ``JSON`` for Megatron-LM's list)."""
+    ``what`` names the format (``allowlist JSON``; ``JSON`` for Megatron-LM's list). A key twice in
+    one object (a merge that kept both sides) is refused, naming it, not read as its last value."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object_of_distinct_keys)
     except json.JSONDecodeError as error:
         raise AllowlistError(
             f"{name}:{error.lineno}:{error.colno}: malformed {what}: {error.msg}"
+        ) from None
+    except _DuplicateKeyError as error:
+        raise AllowlistError(
+            f"{name}: malformed {what}: {error.args[0]!r} is a key twice in one object (a merge "
+            "that kept both sides?): merge the two into one, or regenerate the file"
         ) from None
 
 
@@ -143,7 +193,7 @@ class Allowlist:
         """
         name = name or str(path)
         try:
-            data = path.read_bytes()
+            data = read_regular_file(path)[0]
         except FileNotFoundError:
             hint = "create it with `pgregistry allowlist update`"
             raise AllowlistError(f"{name}: no such allowlist; {hint}") from None

@@ -11,7 +11,9 @@ killed, none overwritten that changed on disk since it was read) and then regene
 Exit codes: 0 done (``--check``: nothing to change), 1 ``--check`` found changes, 2 bad input (a
 file that does not parse or needs a newer Python, a read-only or hard-linked file, a path outside
 the project, conflicting settings, an unknown target, libcst missing, ``--check`` on a tree an
-interrupted ``--write`` left half-written) or an error of this tool; nothing is written then.
+interrupted ``--write`` left half-written, an allowlist to regenerate that is no regular file) or an
+error of this tool; nothing is written then, unless the allowlist's update after ``--write`` failed:
+then a last line names the files that were rewritten.
 
 libcst is an optional extra (``pip install 'pgregistry[migrate]'``), imported by the handler only.
 """
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 
 from pgregistry._source.config import ConfigError, Settings, find_config_file
-from pgregistry._source.files import PathError, discover_files, project_path
+from pgregistry._source.files import PathError, discover_files, path_kind, project_path
 from pgregistry._source.options import (
     add_settings_options,
     path_argument,
@@ -140,8 +142,20 @@ def _allowlist_to_write(
     """The allowlist ``--write`` regenerates; None for none.
 
     The one ``--allowlist`` names (``ConfigError`` when it does not exist: nothing is written then),
-    else the configured one where it exists (a line on stderr when it does not)."""
+    else the configured one where it exists (a line on stderr when it does not). With ``--write``,
+    one the update would refuse (no regular file, a link out of the project) is refused first
+    (``ConfigError``, ``AllowlistError``)."""
     allowlist = settings.resolve(settings.allowlist)
+    kind = path_kind(allowlist)
+    if args.write and kind not in (None, "a regular file"):
+        raise ConfigError(
+            f"the allowlist {allowlist} is {kind}, not a regular file: --write regenerates it; "
+            "name the allowlist file (--allowlist), or move that out of its way"
+        )
+    if args.write:  # one the update refuses (a link out of the project) is refused before writing
+        from pgregistry.allowlist._ratchet import file_to_rewrite
+
+        file_to_rewrite(allowlist, settings.root)
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
             raise ConfigError(
@@ -162,14 +176,35 @@ def _allowlist_to_write(
     return None
 
 
-def _regenerate_allowlist(args: argparse.Namespace) -> int:
-    """``pgregistry allowlist update`` with the same settings, allowlist, paths (its exit code)."""
+def _regenerate_allowlist(args: argparse.Namespace, written: list[str]) -> int:
+    """``pgregistry allowlist update`` with the same settings, allowlist, paths (its exit code).
+
+    ``written``: the files just rewritten, named (the first ten) when the update fails: exit 2 says
+    "nothing was written" everywhere else."""
     from pgregistry.allowlist import main as allowlist
 
     chosen = [f"--allowlist={args.allowlist}"] if args.allowlist is not None else []
-    return allowlist(
+    code = allowlist(
         ["update", "--no-cache", *settings_arguments(args), *chosen, "--", *map(str, args.paths)]
     )
+    if code:
+        named = ", ".join(written[:10]) + (
+            f", {len(written) - 10} more" if len(written) > 10 else ""
+        )
+        _print_error(
+            f"{len(written)} file(s) were rewritten ({named}), but the allowlist was not "
+            "regenerated (above): fix that, then run `pgregistry allowlist update`"
+        )
+    return code
+
+
+def _not_regular(skipped: list[str], root: Path) -> list[str]:
+    """A line for each ``*.py`` the run skipped as no regular file, saying what it is.
+
+    A FIFO, a socket, a device or a dangling link (reading one could block, or fail): never read nor
+    written, and said so, as ``allowlist`` says it."""
+    kinds = {path: path_kind(root / path) or "a link to nothing" for path in skipped}
+    return [f"{path}: {kind}, not a regular file: left untouched" for path, kind in kinds.items()]
 
 
 def _run_migrate(args: argparse.Namespace) -> int:
@@ -224,8 +259,9 @@ def _migrate_files(args: argparse.Namespace) -> int:
                 )
         discovered = discover_files(targets, settings.root, settings.exclude)
         found = own_files(discovered.files, settings.root, settings.exclude)
-        for line in found.left if not args.quiet else ():
-            print(f"pgregistry migrate: {line}", file=sys.stderr)
+        for line in [*_not_regular(discovered.skipped, settings.root), *found.left]:
+            if not args.quiet:
+                print(f"pgregistry migrate: {line}", file=sys.stderr)
         source = megatron_source(settings.root)
         configured_helper = (
             None if args.isolated else migrate_settings(settings.root).get("helper-module")
@@ -272,7 +308,9 @@ def _migrate_files(args: argparse.Namespace) -> int:
             return _print_error(str(error))
         if not args.quiet:
             print(report, end="")
-        return _regenerate_allowlist(args) if changes and allowlist is not None else 0
+        if changes and allowlist is not None:
+            return _regenerate_allowlist(args, [change.path for change in changes])
+        return 0
     if args.check:
         if not args.quiet:
             print(report, end="")

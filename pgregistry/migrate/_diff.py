@@ -128,16 +128,47 @@ def _diff_hunks(a: Sequence[bytes], b: Sequence[bytes]) -> Iterator[bytes]:
             yield from (b"+" + line for line in b[j1:j2] if tag != "delete")
 
 
+#: The escapes of ``git diff``'s C-style quoted names; any other byte it quotes is ``\\ooo``.
+_ESCAPES = {
+    b"\a"[0]: b"\\a",
+    b"\b"[0]: b"\\b",
+    b"\t"[0]: b"\\t",
+    b"\n"[0]: b"\\n",
+    b"\v"[0]: b"\\v",
+    b"\f"[0]: b"\\f",
+    b"\r"[0]: b"\\r",
+    b'"'[0]: b'\\"',
+    b"\\"[0]: b"\\\\",
+}
+
+
+def _git_name(prefix: str, path: str) -> bytes:
+    """``prefix`` and ``path`` as ``git diff`` names a file (``git apply`` and ``patch`` read it).
+
+    The name's bytes (one that is no UTF-8 as the file system holds it); in double quotes, C-style
+    escaped, where they hold a control character, a quote, a backslash or a byte past ASCII (git's
+    ``core.quotePath``): a newline in a name would end the line naming it."""
+    name = (prefix + path).encode("utf-8", "surrogateescape")
+    plain = [32 <= byte < 127 and byte not in _ESCAPES for byte in name]
+    if all(plain):
+        return name
+    quoted = (
+        bytes([byte]) if kept else _ESCAPES.get(byte, b"\\%03o" % byte)
+        for byte, kept in zip(name, plain, strict=True)
+    )
+    return b'"' + b"".join(quoted) + b'"'
+
+
 def render_unified_diff(path: str, before: bytes, after: bytes, *, created: bool = False) -> bytes:
     """The change of ``path`` from ``before`` to ``after`` as a unified diff; empty when equal.
 
     In the file's own bytes; its files are ``a/PATH`` and ``b/PATH``, as ``git diff`` names them
-    (``/dev/null`` and ``b/PATH`` for a ``created`` file)."""
+    (``/dev/null`` and ``b/PATH`` for a ``created`` file; quoted as git quotes them)."""
     hunks = list(_diff_hunks(_LINE.findall(before), _LINE.findall(after)))
     if not hunks:
         return b""
-    source = "/dev/null" if created else f"a/{path}"
-    lines = [f"--- {source}\n".encode(), f"+++ b/{path}\n".encode(), *hunks]
+    source = b"/dev/null" if created else _git_name("a/", path)
+    lines = [b"--- " + source + b"\n", b"+++ " + _git_name("b/", path) + b"\n", *hunks]
     return b"".join(
         line if line.endswith(b"\n") else line + b"\n\\ No newline at end of file\n"
         for line in lines

@@ -40,7 +40,12 @@ from pathlib import Path
 from typing import Literal
 
 from pgregistry._source.config import ScanConfig
-from pgregistry._source.engine import PARALLEL_MIN_BYTES, scan_sources, split_into_buckets
+from pgregistry._source.engine import (
+    PARALLEL_MIN_BYTES,
+    read_source,
+    scan_sources,
+    split_into_buckets,
+)
 from pgregistry._source.files import SourceFile
 from pgregistry._source.processes import can_fork
 from pgregistry._source.scanner import MODULE_SCOPE, FileResult, ParseFailure, Site, module_name
@@ -90,16 +95,6 @@ class Migration:
     threaded: list[str] = field(default_factory=list)
     #: Calls of a spec's field left without the collection, with why (:mod:`._spec_fields`).
     spec_calls_left: list[SpecCallLeft] = field(default_factory=list)
-
-
-def _read_source_bytes(source: SourceFile) -> tuple[bytes, int] | FileResult:
-    try:
-        with open(source.absolute, "rb") as stream:
-            return stream.read(), os.fstat(stream.fileno()).st_mtime_ns
-    except OSError as error:
-        return FileResult(
-            source.path, failure=ParseFailure(f"cannot read: {error.strerror or error}", 1, 1)
-        )
 
 
 @dataclass
@@ -600,15 +595,14 @@ def _helper_change(
     and it differs; a failure names it when a file this tool did not write is at its path."""
     absolute = root / path
     text = helper_text(helper.accessors, gtp_remat=gtp_remat)
-    try:
-        with open(absolute, "rb") as stream:
-            data, mtime = stream.read(), os.fstat(stream.fileno()).st_mtime_ns
-    except FileNotFoundError:
+    if not os.path.lexists(absolute):
         return Change(path, absolute, b"", 0, text, created=True)
-    except OSError as error:
-        return FileResult(
-            path, failure=ParseFailure(f"cannot read the fallback helper module: {error}", 1, 1)
-        )
+    read = read_source(SourceFile(path, absolute))  # a FIFO there is refused, not waited on
+    if isinstance(read, FileResult):
+        assert read.failure is not None
+        message = f"the fallback helper module: {read.failure.message}"
+        return FileResult(path, failure=ParseFailure(message, 1, 1))
+    data, mtime = read
     if MARKER not in data:
         message = (
             f"the fallback helper module {module} is a file pgregistry migrate did not write; name "
@@ -630,7 +624,7 @@ def _run_migration(
 ) -> Migration:
     read = []
     for source in files:
-        read.append((source, _read_source_bytes(source)))
+        read.append((source, read_source(source)))
         progress("reading the files", len(read), len(files))
     report = scan_sources(
         [(s.path, d if isinstance(d, FileResult) else d[0]) for s, d in read], config, jobs=jobs

@@ -5,9 +5,10 @@ Symbolic links are followed to the file they name.
 A link is the user's: a rewrite replaces the file a link names, never the link itself (a rename over
 the link's path would turn it into a regular file holding a copy). The file it names is rewritten
 once, however many links (and the file's own path) the run was given, under its own project path; a
-link to a file outside the project is left as it is, and said so. Hard links cannot be kept apart
-from this: see :func:`~pgregistry.migrate._writing.write_changes`, which refuses a file with
-several.
+link to a file outside the project is left as it is, and said so. So is a file reached through a
+link to a directory (a path given to the run, below a link): taken by where it really is. Hard
+links cannot be kept apart from this: see :func:`~pgregistry.migrate._writing.write_changes`, which
+refuses a file with several.
 """
 
 from __future__ import annotations
@@ -46,17 +47,16 @@ def own_files(files: Sequence[SourceFile], root: Path, exclude: Sequence[str] = 
         files, key=lambda f: f.absolute.is_symlink()
     ):  # a file's own path before links to it
         real = Path(os.path.realpath(source.absolute))
-        if not source.absolute.is_symlink():
-            seen.setdefault(str(real), source)
-            continue
+        link = "a link to" if source.absolute.is_symlink() else "through a link,"
         if not real.is_relative_to(real_root):
-            found.left.append(
-                f"{source.path}: a link to {real}, outside the project: left untouched"
-            )
+            found.left.append(f"{source.path}: {link} {real}, outside the project: left untouched")
             continue
         path = project_path(real, real_root)
+        if path == source.path:
+            seen.setdefault(str(real), source)
+            continue
         if is_excluded(path, exclude):
-            found.left.append(f"{source.path}: a link to {path}, which is excluded: left untouched")
+            found.left.append(f"{source.path}: {link} {path}, which is excluded: left untouched")
             continue
         seen.setdefault(str(real), SourceFile(path, real))
     found.files = sorted(seen.values())

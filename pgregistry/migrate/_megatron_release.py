@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pgregistry._source.files import read_regular_file
 from pgregistry.migrate._virtual_stages import has_virtual_stage_form
 
 __all__ = [
@@ -74,7 +75,7 @@ def megatron_source(root: Path, search: Sequence[str] | None = None) -> Megatron
     for base, label in [(root, "the project's"), *((entry, "the installed") for entry in entries)]:
         path = base / _PARALLEL_STATE
         try:
-            text = path.read_bytes()
+            text, _ = read_regular_file(path)  # a FIFO there is passed over, not waited on
         except OSError:
             continue
         accessors = tuple(name.decode() for name in _ACCESSOR.findall(text))
@@ -92,7 +93,7 @@ def megatron_source(root: Path, search: Sequence[str] | None = None) -> Megatron
 
 def _shims_beside(base: Path) -> ShimGetters | None:
     try:
-        return shim_getters((base / _PROCESS_GROUPS_CONFIG).read_bytes())
+        return shim_getters(read_regular_file(base / _PROCESS_GROUPS_CONFIG)[0])
     except (OSError, SyntaxError, ValueError):
         return None
 

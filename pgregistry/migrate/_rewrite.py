@@ -594,15 +594,26 @@ def _attribute_chain_names(node: cst.BaseExpression) -> list[str]:
     return [node.value]
 
 
+#: A text's last line ending, as Python's tokenizer ends a line: ``\r\n``, a lone ``\r``, ``\n``.
+_FINAL_LINE_END = re.compile(rb"(?:\r\n|\r|\n)\Z")
+
+
 class _Renderer:
     """Renders module-level statements once, keeping each one's text for the module's.
 
     Each one's text is kept (with the node, as ids are reused) and the module's text is theirs
-    joined, so a statement rendered to count its names is not rendered again."""
+    joined, so a statement rendered to count its names is not rendered again. ``source``: the bytes
+    parsed, whose last line ending the module's text keeps."""
 
-    def __init__(self, module: cst.Module) -> None:
+    def __init__(self, module: cst.Module, source: bytes) -> None:
         self.module = module
         self.done: dict[int, tuple[cst.CSTNode, str]] = {}
+        # libcst takes a file whose last line ends in a lone ``\r``, or in a comment ending with
+        # ``\``, for one without a final newline, and its render drops that line's ending.
+        final = _FINAL_LINE_END.search(source)
+        self.dropped_ending = (
+            final.group().decode("ascii") if final and not module.has_trailing_newline else ""
+        )
 
     def statement(self, node: cst.CSTNode) -> str:
         kept = self.done.get(id(node))
@@ -615,9 +626,10 @@ class _Renderer:
     def code(self, module: cst.Module) -> str:
         """``module.code``, from the statements' texts.
 
-        Through libcst's own render where the file has no final newline, which pops it."""
+        Through libcst's own render where it found no final newline, which pops it (and the ending
+        it dropped put back, see :meth:`__init__`)."""
         if not module.has_trailing_newline:
-            return module.code
+            return module.code + self.dropped_ending
         text = "".join(
             [
                 *(module.code_for_node(h) for h in module.header),
@@ -692,7 +704,7 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
     ):
         return None
     data = plan.data if plan.data is not None else module.bytes
-    render = _Renderer(module)
+    render = _Renderer(module, data)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node
     # it visits.
     body = [rewriter.walk(i, s) for i, s in enumerate(module.body)]

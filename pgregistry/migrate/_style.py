@@ -15,6 +15,7 @@ from typing import Any
 
 from pgregistry._source.config import ConfigError
 from pgregistry._source.config import read_toml as _read_toml
+from pgregistry._source.files import read_regular_file
 
 __all__ = ["DEFAULT_WIDTH", "line_length", "migrate_settings"]
 
@@ -54,7 +55,11 @@ def line_length(root: Path) -> int:
     for name in (".flake8", "setup.cfg", "tox.ini"):
         parser = configparser.ConfigParser(interpolation=None)
         try:
-            parser.read(root / name, encoding="utf-8")
+            text, _ = read_regular_file(root / name)  # a FIFO there is passed over, not waited on
+        except OSError:  # none there (or no regular file): as configparser passes one over
+            continue
+        try:
+            parser.read_string(text.decode("utf-8"), str(root / name))
         except (configparser.Error, UnicodeDecodeError) as error:
             raise ConfigError(f"{root / name} cannot be read: {error}") from None
         if parser.has_option("flake8", "max-line-length"):

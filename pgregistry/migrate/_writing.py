@@ -21,7 +21,9 @@ mode but ``--check``, which exits 2 naming it) finishes it first (:func:`finish_
 the state ``writing`` nothing was renamed yet, so the temporary files are removed (rolled back); in
 ``renaming`` every new text is on disk, so the renames are completed (rolled forward). No temporary
 file remains either way. A file that holds neither its old nor its new bytes by then (edited after
-the kill) stops the recovery, naming it, the journal kept.
+the kill) stops the recovery, naming it, the journal kept. So does a journal this tool did not
+write (:func:`_journal_row`): a row whose target is outside the project, or whose temporary file is
+not the one beside it, would have a run remove or replace any file.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from pgregistry._source.files import read_regular_file
 from pgregistry._source.storage import StorageError, atomic_write, exclusive_lock
 
 __all__ = ["JOURNAL", "Change", "WriteError", "finish_interrupted", "write_changes"]
@@ -81,6 +84,17 @@ def _sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _hash_of(path: Path) -> str | None:
+    """The SHA-256 of the file at ``path``; None when there is none, ``"?"`` when it is no regular
+    file or cannot be read (a FIFO there is not waited on): no hash matches it."""
+    try:
+        return _sha256_hex(read_regular_file(path)[0])
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "?"
+
+
 def _why_changed_on_disk(change: Change) -> str | None:
     """None when the file still holds what it was planned from; else why not.
 
@@ -92,11 +106,10 @@ def _why_changed_on_disk(change: Change) -> str | None:
             else None
         )
     try:
-        now = os.stat(change.absolute)
-        data = change.absolute.read_bytes()
+        data, mtime_ns = read_regular_file(change.absolute)  # a FIFO swapped in is not waited on
     except OSError as error:
         return f"cannot read it again: {error.strerror or error}"
-    if data != change.before or now.st_mtime_ns != change.mtime_ns:
+    if data != change.before or mtime_ns != change.mtime_ns:
         return "changed on disk since it was read; run the migration again"
     return None
 
@@ -104,15 +117,16 @@ def _why_changed_on_disk(change: Change) -> str | None:
 def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> None:
     """``WriteError`` unless ``change`` may be written (see the module docstring).
 
-    A new file: unless its directory is writable and it still does not exist."""
+    A new file: unless its directory is writable and it still does not exist. Whether it changed on
+    disk is checked first, so a file deleted meanwhile is named as such."""
+    problem = _why_changed_on_disk(change)
+    if problem is not None:
+        raise WriteError(f"{change.path}: {problem}")
     if change.created:
         if not os.access(change.absolute.parent, os.W_OK | os.X_OK):
             raise WriteError(
                 f"{change.path}: its directory is not writable (the new file is renamed in)"
             )
-        problem = _why_changed_on_disk(change)
-        if problem is not None:
-            raise WriteError(f"{change.path}: {problem}")
         return
     status = os.stat(change.absolute)
     if (
@@ -134,9 +148,6 @@ def _check_writable(change: Change, hard_links: Mapping[str, Sequence[str]]) -> 
             f"{others}); a rewrite would split them into differing copies: make "
             "them one file or symbolic links, or leave it out of the paths"
         )
-    problem = _why_changed_on_disk(change)
-    if problem is not None:
-        raise WriteError(f"{change.path}: {problem}")
 
 
 def _sync_directories(paths: Sequence[Path]) -> None:
@@ -192,6 +203,44 @@ def _write_temporary(change: Change, temporary: Path) -> None:
         os.chmod(temporary, mode)
 
 
+#: The random part of a run's temporary files' names, in bytes (twice as many hex digits).
+_TOKEN_BYTES = 4
+_SUFFIX = ".pgregistry-migrate.tmp"
+
+
+def _temporary_of(target: Path, token: str) -> Path:
+    """The temporary file beside ``target`` of the run ``token`` (hex digits) names."""
+    return target.with_name(f".{target.name}.{token}{_SUFFIX}")
+
+
+def _journal_row(row: Mapping[str, object], root: Path) -> tuple[Path, Path, str | None, str]:
+    """A journal's ``row``: (target, temporary file, old hash, new hash); ``ValueError`` unless
+    this tool wrote it.
+
+    It did when the target is a file of the project at ``root`` and the temporary file is beside it
+    under the name :func:`_temporary_of` gives: a journal made otherwise (committed, copied from
+    another tree, edited) must not make a run remove or replace any other file."""
+    target, temporary, old, new = (row[key] for key in ("target", "temporary", "old", "new"))
+    if not (isinstance(target, str) and isinstance(temporary, str)):
+        raise ValueError(f"a row names no target and temporary file: {dict(row)}")
+    target_path, temporary_path = Path(target), Path(temporary)
+    inside = Path(os.path.realpath(target)).is_relative_to(os.path.realpath(root))
+    if not (target_path.is_absolute() and inside):
+        raise ValueError(f"it lists {target}, which is not a file of the project {root}")
+    token = temporary_path.name.removeprefix(f".{target_path.name}.").removesuffix(_SUFFIX)
+    if (
+        temporary_path != _temporary_of(target_path, token)
+        or len(token) != 2 * _TOKEN_BYTES
+        or not all(digit in "0123456789abcdef" for digit in token)
+    ):
+        raise ValueError(
+            f"it lists {temporary} as the temporary file of {target}, a name this tool never gives"
+        )
+    if not (old is None or isinstance(old, str)) or not isinstance(new, str):
+        raise ValueError(f"the hashes of {target} are not strings: {old!r}, {new!r}")
+    return target_path, temporary_path, old, new
+
+
 def _remove_files(paths: Sequence[Path]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
@@ -225,11 +274,8 @@ def write_changes(
             raise WriteError(
                 f"{journal}: another run's journal appeared meanwhile; run the migration again"
             )
-        token = secrets.token_hex(4)
-        entries = [
-            (c, c.absolute.with_name(f".{c.absolute.name}.{token}.pgregistry-migrate.tmp"))
-            for c in changes
-        ]
+        token = secrets.token_hex(_TOKEN_BYTES)
+        entries = [(c, _temporary_of(c.absolute, token)) for c in changes]
         temporaries = [temporary for _, temporary in entries]
         _write_journal(journal, JournalState.WRITING, entries)
         try:
@@ -296,12 +342,9 @@ def finish_interrupted(root: Path) -> str | None:
                 else None
             )
         try:
-            record = json.loads(journal.read_bytes())
+            record = json.loads(read_regular_file(journal)[0])
             state, rows = JournalState(record["state"]), record["files"]
-            files = [
-                (Path(row["target"]), Path(row["temporary"]), row["old"], row["new"])
-                for row in rows
-            ]
+            files = [_journal_row(row, root) for row in rows]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise WriteError(
                 f"{journal}: an interrupted run's journal that cannot be read ({error}); "
@@ -316,14 +359,10 @@ def finish_interrupted(root: Path) -> str | None:
             )
         conflicts, completed = [], 0
         for target, temporary, old, new in files:
-            current = (
-                _sha256_hex(target.read_bytes()) if target.exists() else None
-            )  # None: a file the run creates
+            current, ready = _hash_of(target), _hash_of(temporary)  # None: a file the run creates
             if current == new:
                 _remove_files([temporary])
-            elif (
-                current == old and temporary.exists() and _sha256_hex(temporary.read_bytes()) == new
-            ):
+            elif current == old and ready == new:
                 os.replace(temporary, target)
                 completed += 1
             else:

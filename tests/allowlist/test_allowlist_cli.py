@@ -265,6 +265,21 @@ def test_a_typo_in_pyproject_exits_2(project: Project, capsys: pytest.CaptureFix
     assert code == 2 and "roots must be a list of non-empty strings" in err
 
 
+def test_a_settings_file_that_is_no_utf_8_is_named_exit_2(project: Project, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``pyproject.toml`` saved in latin-1 made ``allowlist check`` die with a traceback (exit 1: "the check
+    failed"), and ``migrate`` print the decoder's message alone, naming no file; a ``ruff.toml`` alike."""
+    pyproject = project.root / "pyproject.toml"
+    pyproject.write_bytes(b"# caf\xe9\n" + pyproject.read_bytes())
+    code, _, err = run(capsys, "check")
+    assert code == 2 and f"{pyproject} is not valid TOML: not UTF-8" in err and "Traceback" not in err
+    assert main(["migrate"]) == 2
+    assert f"{pyproject} is not valid TOML: not UTF-8" in capsys.readouterr().err
+    pyproject.write_bytes(pyproject.read_bytes()[len(b"# caf\xe9\n"):])
+    (project.root / "ruff.toml").write_bytes(b"line-length = 100 # \xff\n")
+    assert main(["migrate"]) == 2
+    assert f"{project.root / 'ruff.toml'} is not valid TOML: not UTF-8" in capsys.readouterr().err
+
+
 def test_isolated_ignores_pyproject(listed: Project, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "check", "--isolated")
     assert code == 2 and "process_group_usage_allowlist.json: no such allowlist" in err

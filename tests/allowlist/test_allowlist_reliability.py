@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.fifos import without_blocking_on
 from fixtures.scan_projects import Project
 
 from pgregistry._source.scanner import _NEWER_SYNTAX
@@ -317,3 +318,136 @@ def test_a_rewritten_allowlist_keeps_its_mode(
     assert run(capsys, "update", "--no-cache")[0] == 0
     assert path.read_text() != before  # rewritten (b.py's read is new)
     assert path.stat().st_mode & 0o7777 == 0o604
+
+
+def test_an_allowlist_that_is_a_link_stays_a_link_and_its_file_is_updated(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An allowlist kept elsewhere (``allowlist.json -> shared/allowlist.json``) was replaced by a regular file
+    holding the new list: the link was gone and the file it named kept the old list. The link stays, and the
+    file it names holds the new list, with no temporary file left in either directory."""
+    shared = listed.root / "shared"
+    shared.mkdir()
+    (listed.root / "allowlist.json").rename(shared / "allowlist.json")
+    (listed.root / "allowlist.json").symlink_to("shared/allowlist.json")
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    assert (listed.root / "allowlist.json").is_symlink()
+    assert "src/pkg/b.py" in (shared / "allowlist.json").read_text()  # b.py's read is new
+    assert _leftovers(listed) == [] and sorted(p.name for p in shared.iterdir()) == ["allowlist.json"]
+    assert run(capsys, "check", "--no-cache")[0] == 0
+
+
+
+def test_an_allowlist_that_is_a_link_out_of_the_project_is_refused_and_nothing_is_written(
+    listed: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An update writes the project's files only: through a repository's link it would write over a file of the
+    user's anywhere (a full update replaces one that is no allowlist). Refused, naming the link and its file."""
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "notes.txt"
+    elsewhere.write_text("not an allowlist\n")
+    (listed.root / "allowlist.json").unlink()
+    (listed.root / "allowlist.json").symlink_to(elsewhere)
+    code, _, err = run(capsys, "update", "--no-cache")
+    assert code == 2 and f"is a link to {elsewhere}, outside the project" in err
+    assert elsewhere.read_text() == "not an allowlist\n" and (listed.root / "allowlist.json").is_symlink()
+
+def test_a_path_listed_twice_is_refused_naming_it_and_no_entry_is_dropped(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file's entries twice in the list (a merge that kept both sides) were read as the last block alone: with
+    the last block's total the check passed and a partial update rewrote the list without the first block's
+    entries, silently; with both blocks' total it was refused as a total that does not add up, naming no path."""
+    path = listed.root / "allowlist.json"
+    key = "a|get_data_parallel_group|call"
+    twice = path.read_text().replace(
+        '"src/pkg/a.py": {', f'"src/pkg/a.py": {{\n      "{key}": 1\n    }},\n    "src/pkg/a.py": {{'
+    )
+    for total in ('"total": 1', '"total": 2'):
+        path.write_text(twice.replace('"total": 1', total))
+        before = path.read_bytes()
+        for action in (["check"], ["update", "src/pkg/b.py"]):
+            code, _, err = run(capsys, *action, "--no-cache")
+            assert code == 2 and "'src/pkg/a.py'" in err and "twice" in err and "allowlist.json" in err, err
+            assert path.read_bytes() == before
+    path.write_text(twice.replace("{", '{"version": 1, ', 1))  # a field twice is refused alike
+    assert run(capsys, "check", "--no-cache")[0] == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_scan_cache_is_passed_over_not_waited_on(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cache is read before the scan: a FIFO at its file's name blocked every run with the cache on. It is
+    passed over as a cache that cannot be read (the scan parses every file)."""
+    from pgregistry._source.cache import ScanCache
+    from pgregistry._source.config import ScanConfig
+
+    cache = listed.root / ".pgregistry_cache"
+    fifo = ScanCache(cache, ScanConfig()).file
+    cache.mkdir(exist_ok=True)
+    os.mkfifo(fifo)
+    assert without_blocking_on(fifo, lambda: allowlist_main(["update"])) == 0
+    assert "src/pkg/b.py" in listed.read("allowlist.json")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_allowlist_or_megatrons_list_is_named_not_waited_on(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``check``, ``update``, ``stats`` and ``import --from`` read their list with a plain ``open``, which waits on a
+    FIFO for a writer forever. Each is exit 2 naming it, nothing written."""
+    project.write("src/pkg/a.py", READ_A)
+    os.mkfifo(project.root / "allowlist.json")
+    os.mkfifo(project.root / "megatron.json")
+    for action in (["check"], ["update"], ["stats"], ["import", "--from", "megatron.json"]):
+        fifo = project.root / ("megatron.json" if "import" in action else "allowlist.json")
+        code, _, err = without_blocking_on(fifo, lambda action=action: run(capsys, *action, "--no-cache"))
+        assert code == 2 and fifo.name in err and "not a regular file" in err, (action, err)
+    assert (project.root / "allowlist.json").is_fifo()
+
+
+def test_a_directory_that_cannot_be_listed_is_named_not_skipped(
+    listed: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``os.walk`` passes over a directory it cannot list (no read permission), silently: ``check`` passed
+    without scanning it, a full ``update`` dropped its files' entries, ``migrate`` left its reads. Exit 2 naming
+    it. (The permission error is raised by a double of ``os.scandir``: these tests run as root, whom no mode
+    stops.)"""
+    listed.write("src/pkg/sub/c.py", READ_A.replace("def a", "def c"))
+    assert run(capsys, "update", "--no-cache")[0] == 0
+    before = listed.read("allowlist.json")
+    real_scandir = os.scandir
+
+    def unlistable(path: object = ".") -> object:
+        if str(path).endswith("sub"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_scandir(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", unlistable)
+    for action in ("check", "update"):
+        code, _, err = run(capsys, action, "--no-cache")
+        assert code == 2 and f"{listed.root / 'src/pkg/sub'}: cannot list it: Permission denied" in err, err
+    assert listed.read("allowlist.json") == before
+    from pgregistry.cli import main
+
+    assert main(["migrate", "--check"]) == 2
+    assert "src/pkg/sub: cannot list it: Permission denied" in capsys.readouterr().err
+
+
+def test_a_read_only_allowlist_is_refused_and_left_as_it_is(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rename into its directory replaced a read-only allowlist (``chmod a-w``: kept as it is on purpose),
+    even as root, where ``migrate --write`` refuses a read-only source file. Refused alike, before anything is
+    written."""
+    from pgregistry.cli import main
+
+    path = listed.root / "allowlist.json"
+    before, source = path.read_bytes(), listed.read("src/pkg/b.py")
+    assert main(["migrate", "--check"]) == 1  # --write has files to rewrite
+    path.chmod(0o444)
+    code, _, err = run(capsys, "update", "--no-cache")
+    assert code == 2 and "allowlist.json: read-only; make it writable to update it" in err, err
+    assert main(["migrate", "--write"]) == 2
+    assert "read-only" in capsys.readouterr().err and listed.read("src/pkg/b.py") == source
+    assert path.read_bytes() == before and path.stat().st_mode & 0o777 == 0o444

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.fifos import without_blocking_on
 from fixtures.scan_projects import Project
 
 pytest.importorskip("libcst")
@@ -195,6 +196,74 @@ def test_a_file_changed_on_disk_since_it_was_read_is_not_overwritten(tmp_path: P
         write_changes([change], tmp_path)
     assert path.read_text() == SOURCE + "# edited meanwhile\n"
     assert SourceFile("m.py", path).absolute == path
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_py_that_is_no_regular_file_is_named_as_left_untouched(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO or a dangling link named ``*.py`` in the tree was skipped without a word (``allowlist check`` names
+    each): a run that looked at nothing there said "0 files would change". Each is named with what it is."""
+    project.write("src/pkg/m.py", SOURCE)
+    os.mkfifo(project.root / "src/pkg/pipe.py")
+    (project.root / "src/pkg/gone.py").symlink_to("nowhere.py")
+    for mode in ([], ["--check"], ["--write"]):
+        assert main([*ARGS, *mode]) in (0, 1)
+        err = capsys.readouterr().err
+        assert "src/pkg/pipe.py: a FIFO, not a regular file: left untouched" in err, err
+        assert "src/pkg/gone.py: a link to nothing, not a regular file: left untouched" in err
+    assert "pg_collection" in project.read("src/pkg/m.py")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_that_replaces_a_file_after_discovery_does_not_block(tmp_path: Path) -> None:
+    """The ratchet's scan reads a file non-blocking (a FIFO is refused, not waited on); migrate read it again
+    with a plain ``open``, which waits for a writer forever."""
+    from pgregistry._source.config import PRESETS
+    from pgregistry.migrate._engine import migrate
+
+    os.mkfifo(tmp_path / "pipe.py")
+    outcome = without_blocking_on(
+        tmp_path / "pipe.py",
+        lambda: migrate([SourceFile("pipe.py", tmp_path / "pipe.py")], PRESETS["megatron"], target="megatron",
+                        name="pg_collection"),
+    )
+    (failure,) = outcome.failures
+    assert failure.path == "pipe.py" and failure.failure is not None
+    assert "not a regular file" in failure.failure.message
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize(
+    "name", ["setup.cfg", "tox.ini", "megatron/core/parallel_state.py", "megatron/core/process_groups_config.py"]
+)
+def test_a_fifo_where_a_setting_is_read_is_passed_over_not_waited_on(
+    project: Project, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """Besides the sources, a run reads the project's line length (``setup.cfg``, ``tox.ini``, ``.flake8``) and its
+    Megatron-Core release (``megatron/core/...``): a FIFO at one of those names blocked the run forever. It is
+    passed over as a file that is not there."""
+    project.write("src/pkg/m.py", SOURCE)
+    fifo = project.root / name
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    if name.endswith("process_groups_config.py"):  # read beside the project's parallel_state.py only
+        project.write("megatron/core/parallel_state.py", "def get_data_parallel_group(with_gtp_remat=False): ...\n")
+    os.mkfifo(fifo)
+    assert without_blocking_on(fifo, lambda: main([*ARGS, "--quiet", "src"])) == 0
+    assert "+def f(x, *, pg_collection=None):" in capsys.readouterr().out
+
+
+def test_a_file_deleted_since_it_was_read_is_named_not_an_internal_error(tmp_path: Path) -> None:
+    """A file removed between the scan and the write was ``internal error (FileNotFoundError ...); please report
+    it``: the check's ``stat`` came before the check that reads it again. Nothing is written either way."""
+    kept, gone = tmp_path / "a.py", tmp_path / "m.py"
+    for path in (kept, gone):
+        path.write_text(SOURCE)
+    changes = [Change(p.name, p, SOURCE.encode(), p.stat().st_mtime_ns, b"new = 1\n") for p in (kept, gone)]
+    gone.unlink()
+    with pytest.raises(WriteError, match="^m.py: cannot read it again: No such file or directory"):
+        write_changes(changes, tmp_path)
+    assert kept.read_text() == SOURCE and sorted(p.name for p in tmp_path.iterdir()) == ["a.py"]
 
 
 def test_without_libcst_the_error_names_the_extra(

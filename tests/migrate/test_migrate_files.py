@@ -8,6 +8,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ pytest.importorskip("libcst")
 
 from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry._source.files import SourceFile  # noqa: E402
+from pgregistry._source.storage import StorageError  # noqa: E402
+from pgregistry.allowlist import _ratchet  # noqa: E402
 from pgregistry.cli import main  # noqa: E402
 from pgregistry.migrate import _engine, _facts, _plan, _rewrite, _skeleton  # noqa: E402
 from pgregistry.migrate._diff import render_unified_diff  # noqa: E402
@@ -70,6 +73,60 @@ def test_a_file_with_cr_only_line_endings_is_migrated_keeping_them(
     assert b"\rdef g():\r    return 1\r" in data  # a definition stood in for by a placeholder, put back
     compile(data, str(path), "exec", dont_inherit=True)
     assert main([*ARGS, "--check"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("ending", "tail"),
+    [
+        pytest.param("\r", "", id="cr-only"),
+        pytest.param("\r", "\n", id="cr-only-blank-line"),
+        pytest.param("\r", "\n\n# the end\n", id="cr-only-comment-and-blank-lines"),
+        pytest.param("\n", "# see C:\\dir\\\n", id="comment-ending-in-backslash"),
+        pytest.param("\r\n", "# a\\\n\n", id="crlf-backslash-blank"),
+        pytest.param("\r", "y = 1", id="cr-only-no-final-newline"),
+        pytest.param("\n", "", id="lf"),
+    ],
+)
+def test_the_last_line_ending_is_kept_whatever_the_line_endings(
+    project: Project, capsys: pytest.CaptureFixture[str], ending: str, tail: str
+) -> None:
+    """Every byte the rewrite does not replace is the file's, its last line ending too: libcst reads a file whose
+    last line ends in a lone ``\\r``, or in a comment ending with ``\\``, as having no final newline, and its
+    render dropped that line's ending. The oracle: the same file with ``\\n`` endings, migrated, its endings made
+    the file's; its tail as written."""
+    text = f"from megatron.core import parallel_state as ps\n\n\n{READ}{tail}"
+    lf = _write_bytes(project, "src/pkg/lf.py", text.encode())
+    path = _write_bytes(project, "src/pkg/m.py", text.replace("\n", ending).encode())
+    assert main([*ARGS, "--write"]) == 0
+    capsys.readouterr()
+    assert lf.read_bytes().endswith(tail.encode() or b"\n")  # the oracle keeps its own ending
+    assert path.read_bytes() == lf.read_bytes().replace(b"\n", ending.encode())
+    assert main([*ARGS, "--check"]) == 0
+
+
+def test_the_diff_names_any_file_as_git_does_and_git_applies_it(
+    project: Project, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """A name holding a newline split the diff's ``---`` line in two (the diff no longer applied), and one that is
+    no UTF-8 (a byte read back as a surrogate) was an internal error half-way through the diff. Each name is
+    written as ``git diff`` writes it (C-style quoted where it holds a control character, a quote, a backslash or
+    a byte past ASCII); the oracle: ``git apply`` of the diff gives the tree ``--write`` gives."""
+    names = ["a b.py", "new\nline.py", 'quo"te.py', "back\\slash.py", "tab\t.py", "caf\u00e9.py", "bad\udcff.py"]
+    for name in names:
+        _write_bytes(project, f"src/pkg/{name}", SOURCE.encode())
+    assert main([*ARGS, "--quiet"]) == 0
+    diff = capsysbinary.readouterr().out
+    assert b'--- "a/src/pkg/new\\nline.py"\n+++ "b/src/pkg/new\\nline.py"\n' in diff
+    assert b'--- "a/src/pkg/caf\\303\\251.py"\n' in diff and b"--- a/src/pkg/a b.py\n" in diff
+    assert main([*ARGS, "--write", "--quiet"]) == 0
+    written = {path: path.read_bytes() for path in (project.root / "src/pkg").iterdir()}
+    assert len(written) == len(names) + 2  # and __init__.py, the new helper module
+    (project.root / "src/pkg/_process_group_fallback.py").unlink()
+    for name in names:
+        _write_bytes(project, f"src/pkg/{name}", SOURCE.encode())
+    subprocess.run(["git", "init", "-q"], cwd=project.root, check=True, timeout=60)
+    subprocess.run(["git", "apply"], cwd=project.root, input=diff, check=True, capture_output=True, timeout=60)
+    assert {path: path.read_bytes() for path in (project.root / "src/pkg").iterdir()} == written
 
 
 def test_an_error_of_the_tool_on_a_file_is_exit_2_naming_it_in_every_mode(
@@ -226,6 +283,57 @@ def test_write_says_why_a_configured_allowlist_is_not_regenerated(
     assert main([*ARGS, "--write"]) == 0
     assert f"no allowlist regenerated: the configured {project.root / 'allowlist.json'} does not exist" in (
         capsys.readouterr().err)
+
+
+def test_write_whose_allowlist_cannot_be_regenerated_says_the_files_were_written(
+    project: Project, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sources were rewritten, then the allowlist's update failed (a full disk): exit 2 with the update's
+    line alone, which under ``--quiet`` read as "nothing was written" (what exit 2 means everywhere else)."""
+    project.write("src/pkg/m.py", SOURCE)
+    assert main(["allowlist", "update", "--preset", "megatron"]) == 0
+    before = project.read("allowlist.json")
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise StorageError(f"cannot write {path}: No space left on device; the previous file is unchanged")
+
+    monkeypatch.setattr(_ratchet, "atomic_write", full_disk)
+    capsys.readouterr()
+    assert main([*ARGS, "--write", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "pg_collection" in project.read("src/pkg/m.py")
+    assert (
+        "pgregistry migrate: error: 2 file(s) were rewritten (src/pkg/_process_group_fallback.py, src/pkg/m.py), "
+        "but the allowlist was not regenerated (above): fix that, then run `pgregistry allowlist update`"
+    ) in err
+    assert project.read("allowlist.json") == before
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["configured", "named"])
+def test_write_whose_allowlist_is_a_directory_is_refused_before_anything_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str], named: bool
+) -> None:
+    """It was "the configured allowlist.json does not exist" (``--allowlist``: "no such file; create it"), and,
+    configured, the sources were rewritten with the ratchet's list left as it was."""
+    project.write("src/pkg/m.py", SOURCE)
+    (project.root / "allowlist.json").mkdir()
+    assert main([*ARGS, "--write", *(["--allowlist", "allowlist.json"] if named else [])]) == 2
+    assert "allowlist.json is a directory, not a regular file" in capsys.readouterr().err
+    assert project.read("src/pkg/m.py") == SOURCE
+
+
+def test_write_whose_allowlist_is_a_link_out_of_the_project_is_refused_before_anything_is_written(
+    project: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The update refuses such an allowlist (it would write over a file of the user's anywhere); ``--write``
+    rewrote the sources first, then failed on it."""
+    project.write("src/pkg/m.py", SOURCE)
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "notes.txt"
+    elsewhere.write_text("not an allowlist\n")
+    (project.root / "allowlist.json").symlink_to(elsewhere)
+    assert main([*ARGS, "--write"]) == 2
+    assert f"is a link to {elsewhere}, outside the project" in capsys.readouterr().err
+    assert project.read("src/pkg/m.py") == SOURCE and elsewhere.read_text() == "not an allowlist\n"
 
 
 class _SlowClock:

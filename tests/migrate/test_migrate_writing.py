@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.fifos import without_blocking_on
 from fixtures.scan_projects import Project
 
 pytest.importorskip("libcst")
@@ -151,6 +152,26 @@ def test_links_stay_links_and_each_file_is_rewritten_once(
     assert main([*ARGS, "--check", "--extend-exclude", "vendored"]) == 0
 
 
+def test_a_file_reached_through_a_linked_directory_is_written_in_the_project_only(
+    project: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A link to a file outside the project is left untouched; a link to a directory outside it, named as a
+    path, was walked and its files rewritten there. Each file is taken by where it is: outside, left untouched
+    and said so; inside (a link to a directory of the project), rewritten once, under its own path."""
+    text = FILES["src/pkg/a.py"]
+    outside = tmp_path_factory.mktemp("elsewhere")
+    (outside / "o.py").write_text(text)
+    (project.root / "src/pkg/ext").symlink_to(outside)
+    real = project.write("src/lib/b.py", text)
+    (project.root / "src/pkg/lib").symlink_to("../lib")
+    assert main([*ARGS, "--write", "src/pkg/ext", "src/pkg/lib"]) == 0
+    err = capsys.readouterr().err
+    assert f"src/pkg/ext/o.py: through a link, {outside / 'o.py'}, outside the project: left untouched" in err
+    assert (outside / "o.py").read_text() == text and sorted(p.name for p in outside.iterdir()) == ["o.py"]
+    assert real.read_text().count("pg_collection=None") == 1
+    assert main([*ARGS, "--check", "src/pkg/lib"]) == 0
+
+
 def test_a_hard_linked_file_is_refused_naming_its_links_and_nothing_is_written(
     project: Project, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -199,3 +220,59 @@ def test_a_journal_in_a_state_this_tool_never_writes_is_refused_and_nothing_is_r
     err = capsys.readouterr().err
     assert "cannot be read" in err and "finishing" in err
     assert _tree(project) == FILES and (project.root / JOURNAL).exists() and temporary.exists()
+
+
+@pytest.mark.parametrize("listed", ["outside", "another file", "target outside"])
+def test_a_journal_listing_files_this_tool_never_writes_is_refused_and_nothing_is_removed(
+    project: Project, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory, listed: str
+) -> None:
+    """A journal found at the project root (committed, copied from another tree, hand-made) was trusted: rolling
+    back "writing" removed every file it listed as a temporary one, anywhere, in any mode (a diff too). Only the
+    rows this tool writes are read: a file of the project, its temporary file beside it under the name it gives
+    them; any other journal is refused, naming it and the path, and nothing is removed or renamed."""
+    import json
+
+    for path, text in FILES.items():
+        project.write(path, text)
+    precious = tmp_path_factory.mktemp("outside") / "precious.py"
+    precious.write_text(FILES["src/pkg/a.py"])
+    target, temporary = project.root / "src/pkg/a.py", project.root / "src/pkg/.a.py.0123abcd.pgregistry-migrate.tmp"
+    if listed == "outside":
+        temporary = precious
+    elif listed == "another file":
+        temporary = project.root / "src/pkg/b.py"
+    else:
+        target, temporary = precious, precious.with_name(".precious.py.0123abcd.pgregistry-migrate.tmp")
+        temporary.write_text("replaced = True\n")
+    row = {"target": str(target), "temporary": str(temporary), "old": None, "new": "0" * 64}
+    for state in ("writing", "renaming"):
+        project.write(JOURNAL, json.dumps({"state": state, "files": [row]}))
+        assert main(ARGS) == 2
+        err = capsys.readouterr().err
+        named = row["target" if listed == "target outside" else "temporary"]
+        assert "cannot be read" in err and JOURNAL in err and str(named) in err, err
+        assert _tree(project) == FILES and precious.read_text() == FILES["src/pkg/a.py"]
+        assert (project.root / JOURNAL).exists() and temporary.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_journal_or_of_a_file_to_write_is_named_not_waited_on(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The journal, and each file checked once more before it is written, were read with a plain ``open``: a FIFO
+    there (a file swapped for one after it was read) waited for a writer forever. Each is named, exit 2 (a
+    ``WriteError``), nothing written."""
+    for path, text in FILES.items():
+        project.write(path, text)
+    journal = project.root / JOURNAL
+    os.mkfifo(journal)
+    assert without_blocking_on(journal, lambda: main(ARGS)) == 2
+    assert "cannot be read" in capsys.readouterr().err and _tree(project) == FILES
+    journal.unlink()
+    target = project.root / "src/pkg/a.py"
+    change = Change("src/pkg/a.py", target, target.read_bytes(), target.stat().st_mtime_ns, b"new = 1\n")
+    target.unlink()
+    os.mkfifo(target)
+    with pytest.raises(WriteError, match="src/pkg/a.py: cannot read it again: not a regular file"):
+        without_blocking_on(target, lambda: write_changes([change], project.root))
+    assert target.is_fifo() and _leftovers(project.root) == []
