@@ -85,8 +85,9 @@ def _sha256_hex(data: bytes) -> str:
 
 
 def _hash_of(path: Path) -> str | None:
-    """The SHA-256 of the file at ``path``; None when there is none, ``"?"`` when it is no regular
-    file or cannot be read (a FIFO there is not waited on): no hash matches it."""
+    """The SHA-256 of the file at ``path``; None when there is none, ``"?"`` when it is unreadable.
+
+    ``"?"`` too where it is no regular file (a FIFO there is not waited on): no hash matches it."""
     try:
         return _sha256_hex(read_regular_file(path)[0])
     except FileNotFoundError:
@@ -214,10 +215,9 @@ def _temporary_of(target: Path, token: str) -> Path:
 
 
 def _journal_row(row: Mapping[str, object], root: Path) -> tuple[Path, Path, str | None, str]:
-    """A journal's ``row``: (target, temporary file, old hash, new hash); ``ValueError`` unless
-    this tool wrote it.
+    """A journal's ``row``: (target, temporary file, old hash, new hash), if this tool wrote it.
 
-    It did when the target is a file of the project at ``root`` and the temporary file is beside it
+    ``ValueError`` otherwise. It did when the target is a file of the project at ``root`` and the temporary file is beside it
     under the name :func:`_temporary_of` gives: a journal made otherwise (committed, copied from
     another tree, edited) must not make a run remove or replace any other file."""
     target, temporary, old, new = (row[key] for key in ("target", "temporary", "old", "new"))
