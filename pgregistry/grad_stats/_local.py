@@ -63,6 +63,7 @@ __all__ = [
     "read_kind",
     "row_norms",
     "scale_kind",
+    "scaled_share",
 ]
 
 HOST_BLOCK: Final = 1 << 18
@@ -190,6 +191,9 @@ def read_kind(
         plan.dtype.is_complex
     ):  # through the moduli (module docstring): the plan's blocks are by shape, theirs too
         tensors = [tensor.abs() for tensor in tensors]
+    if wanted.divisor is not None:  # the exact norm's second read: no zero count, no kernel
+        assert wanted.p is not None
+        return [make_part(scaled_share(tensors, wanted.p, wanted.divisor), None, device)]
     parts = []
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
     if plan.kernel and (
@@ -320,6 +324,24 @@ def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> tor
     if rows * HOST_ROW < flat.numel():
         parts.append(torch.linalg.vector_norm(flat[rows * HOST_ROW :], p, dtype=cast).reshape(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def scaled_share(tensors: Sequence[torch.Tensor], p: float, divisor: torch.Tensor) -> torch.Tensor:
+    """``sum (|x| / divisor)^p`` over ``tensors`` (real), 0-dim float64 on ``divisor``'s device.
+
+    The exact norm's second read (:func:`~pgregistry.grad_stats._reductions.reduce_shares`), where
+    ``divisor`` is the largest ``|x|`` of every grad: each quotient is at most 1, so no power
+    overflows, and one is 1, so the powers that underflow (below 2**-1074 each) are lost beside a
+    sum of at least 1. Computed in float64 whatever the grads' dtype, :data:`HOST_BLOCK` elements
+    at a time (a float64 copy of one block; a non-contiguous tensor is copied whole first): a rare
+    path, read by torch only."""
+    total = torch.zeros((), dtype=torch.float64, device=divisor.device)
+    for tensor in tensors:
+        on_device = divisor.to(tensor.device)
+        for block in tensor.reshape(-1).split(HOST_BLOCK):
+            share = block.to(torch.float64, copy=True).div_(on_device).abs_().pow_(p).sum()
+            total += share.to(total.device)
+    return total
 
 
 def _kind_parts(

@@ -17,7 +17,11 @@ every collective of a call in the one agreed order and combines:
 3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the
    collection's ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every
    rank clips, skips or raises alike. One 2-element all-reduce, none when a reduction group of step
-   2 already spans those ranks (the flags then ride in its row).
+   2 already spans those ranks (the flags then ride in its row);
+4. only where the norm of steps 1-3 cannot be trusted (``sum |g|^p`` overflowed or underflowed the
+   float range; a ``p`` beyond 2**126) and the caller can read the grads again: the inf-norm ``m``
+   over the same groups, then the shares again divided by ``m``, reduced as above
+   (:func:`reduce_shares`): the norm ``m * (sum (|g| / m)^p)^(1/p)``, exact.
 
 A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes
 first), so the inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP,
@@ -25,10 +29,11 @@ expert TP and GTP duplicates, ``shared`` copies) are read too, into *seen* parts
 (:func:`nonfinite_part`: their NaN or inf, nothing else) under the group their counted copy is
 summed over: whether the norm is finite is decided over every grad of every rank, in the rows that
 already travel, while each element is still counted once. Shares accumulate in float64 whatever the
-grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device: results
-are 0-dim tensors on the reduction device, the norm returned in float64 where this rank holds a
-float64 (or complex128) grad, float32 otherwise (:attr:`Reduced.norm`). A call issues a few small
-operations whatever the number of grads.
+grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device but the
+host's read of whether a norm is exact (:func:`reduce_shares`, which makes it so where ``sum |g|^p``
+over- or underflowed): results are 0-dim tensors on the reduction device, the norm returned in
+float64 where this rank holds a float64 (or complex128) grad, float32 otherwise
+(:attr:`Reduced.norm`). A call issues a few small operations whatever the number of grads.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ __all__ = [
     "GradsByGroup",
     "GroupKey",
     "Reduced",
+    "Reread",
     "Shares",
     "Wanted",
     "check_max_norm",
@@ -82,10 +88,15 @@ _NORM, _ZEROS = range(2)
 
 @attrs.frozen(slots=True)
 class Wanted:
-    """What one call computes: the ``p``-norm (``None``: no norm) and whether the zero count."""
+    """What one call computes: the ``p``-norm (``None``: no norm) and whether the zero count.
+
+    ``divisor`` (0-dim float64, the largest ``|g|`` of the grads read) asks the readers for ``sum
+    (|g| / divisor)^p`` instead, in float64: the exact norm's second read (:func:`reduce_shares`),
+    never the kernel's."""
 
     p: float | None
     zeros: bool
+    divisor: torch.Tensor | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def of(cls, norm_type: float, zeros: bool) -> Wanted:
@@ -231,13 +242,82 @@ class Reduced:
         return torch.where(torch.isinf(self.norm64), self.norm64, finite).to(torch.float32)
 
 
-def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()) -> Reduced:
+Reread = Callable[[Wanted], Shares]
+"""Reads the grads of a call again, into fresh shares of another :class:`Wanted`, under the same
+groups: what :func:`reduce_shares` needs for an exact norm."""
+
+
+def reduce_shares(
+    shares: Shares,
+    *,
+    verdict: Sequence[ProcessGroup | None] = (),
+    reread: Reread | None = None,
+) -> Reduced:
     """Reduce ``shares`` (see the module docstring; they are consumed) into the global statistics.
 
     ``verdict``: the groups that together span every rank holding grads (``intra_dist_opt``, then
     ``inter_dist_opt``); when given, a NaN or inf seen on any of those ranks makes the norm NaN or
     inf on all of them. Without it, only the ranks of a rank's own reduction groups contribute.
+
+    ``reread``: given, a ``p``-norm the one reduction cannot be trusted with (:func:`_untrusted`:
+    ``sum |g|^p`` overflowed or underflowed, or ``p`` beyond 2**126) is made exact from two reads
+    more (:func:`_exact_norm`). Deciding reads one flag on the host (a device sync on CUDA), where
+    every rank of the reduction groups holds the same norm, so every rank takes the same branch.
     """
+    reduced = _reduce_once(shares, verdict)
+    p = shares.wanted.p
+    if reread is None or p is None or math.isinf(p):
+        return reduced
+    assert reduced.norm64 is not None
+    if not _untrusted(reduced.norm64, p):
+        return reduced
+    return _exact_norm(reduced, p, reread, verdict)
+
+
+_SMALLEST_TRUSTED_SHARE: Final = torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
+"""2**-103: a ``sum |g|^p`` below it may have lost its bits (float32 powers below 2**-126 are
+subnormal, with fewer bits than float32's 24, or 0), or be 0 while a grad is not."""
+
+_LARGEST_TRUSTED_P: Final = 1.0 / torch.finfo(torch.float32).tiny
+"""2**126: beyond it ``1/p`` is no normal float32, and torch raises a float32 tensor's ``sum |g|^p``
+to it in float32 (0 for ``p`` of 1e300: every tensor's norm is then ``x^0 = 1``)."""
+
+
+def _untrusted(norm64: torch.Tensor, p: float) -> bool:
+    """Whether the one reduction's finite-grad ``norm64`` may be wrong (reads it on the host).
+
+    Its ``sum |g|^p`` is infinite (an overflow, or an infinite grad: :func:`_exact_norm` tells them
+    apart) or below :data:`_SMALLEST_TRUSTED_SHARE` (0 too: an underflow, or every grad zero); or
+    ``p`` is beyond :data:`_LARGEST_TRUSTED_P`. A NaN is a NaN grad's verdict: kept."""
+    if p > _LARGEST_TRUSTED_P:
+        return not bool(norm64.isnan())
+    return bool(norm64.isinf() | (norm64 < _SMALLEST_TRUSTED_SHARE ** (1.0 / p)))
+
+
+def _exact_norm(
+    reduced: Reduced, p: float, reread: Reread, verdict: Sequence[ProcessGroup | None]
+) -> Reduced:
+    """``reduced`` with the norm ``m * (sum (|g| / m)^p)^(1/p)``, ``m`` the largest ``|g|``.
+
+    ``m`` is the inf-norm, read and reduced over the same groups and ``verdict`` as the norm: a NaN
+    or infinite ``m`` (a grad that is) keeps ``reduced``'s verdict, a 0 (every grad zero) is the
+    norm. Otherwise every share is read again divided by ``m`` in float64 (at least one is 1,
+    none above: ``sum`` lies in ``[1, numel]``, neither overflows nor underflows) and reduced once
+    more. Every rank of the groups holds the same ``m``: all take the same branch."""
+    peak = _reduce_once(reread(Wanted(math.inf, zeros=False)), verdict).norm64
+    assert peak is not None
+    finite, positive = torch.stack([peak.isfinite(), peak > 0]).tolist()
+    if not finite:
+        return reduced
+    if not positive:
+        return attrs.evolve(reduced, norm64=peak)
+    scaled = _reduce_once(reread(Wanted(p, zeros=False, divisor=peak)), ()).norm64
+    assert scaled is not None
+    return attrs.evolve(reduced, norm64=peak * scaled)
+
+
+def _reduce_once(shares: Shares, verdict: Sequence[ProcessGroup | None]) -> Reduced:
+    """:func:`reduce_shares`' one reduction: the collectives of the module docstring."""
     wanted, device = shares.wanted, shares.device
     for field in sorted(shares.first, key=FIELD_NAMES.index):
         first = shares.first[field]

@@ -58,7 +58,7 @@ from pgregistry.grad_stats._fused import (
     is_kernel_readable,
     span_squares_and_zeros,
 )
-from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
+from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms, scaled_share
 from pgregistry.grad_stats._reductions import (
     Reduced,
     Shares,
@@ -234,16 +234,22 @@ class GradBuffer:
         span_shares(self.data, self.spans, shares)
 
     def statistics(self, wanted: Wanted) -> Reduced:
-        """The counted grads' statistics, each span's part reduced over its group (no sync)."""
+        """The counted grads' statistics, each span's part reduced over its group.
+
+        No sync but the host's read of whether the norm is exact
+        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+        return reduce_shares(self._shares(wanted), reread=self._shares)
+
+    def _shares(self, wanted: Wanted) -> Shares:
         shares = Shares(wanted, self.data.device, (span.group for span in self.spans))
         self.local_shares(shares)
-        return reduce_shares(shares)
+        return shares
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the counted grads, reduced over each span's group.
 
-        0-dim, float64 for a float64 buffer, else float32; no host sync. NaN or infinite when any
-        grad is, uncounted ones too."""
+        0-dim, float64 for a float64 buffer, else float32; one host read (:meth:`statistics`). NaN
+        or infinite when any grad is, uncounted ones too."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -279,15 +285,16 @@ def span_shares(
     if one_read is None:
         one_read = (
             wanted.p in (2.0, None)
+            and wanted.divisor is None
             and is_kernel_readable(data)
             and can_run_fused_stats(data.device)
         )
-    if one_read and wanted.p not in (2.0, None):
-        raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm")
+    if one_read and (wanted.p not in (2.0, None) or wanted.divisor is not None):
+        raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm or scaled")
     shares.widen(data.dtype)
     for span in spans:
-        if not span.counted and wanted.p is None:
-            continue
+        if not span.counted and (wanted.p is None or wanted.divisor is not None):
+            continue  # a seen part is for the verdict, which the scaled read follows
         view = data[span.start : span.stop]
         share: torch.Tensor | None
         zeros: torch.Tensor | None
@@ -296,7 +303,7 @@ def span_shares(
             squares, zeros = span_squares_and_zeros(view)
             share = squares if wanted.p is not None else None
         else:
-            share = _norm_share(view, wanted.p) if wanted.p is not None else None
+            share = _norm_share(view, wanted) if wanted.p is not None else None
             zeros = span.numel - _count_nonzero(view) if count else None
         part = make_part(share, zeros if count else None, shares.device)
         shares.add(span.group, part if span.counted else nonfinite_part(part))
@@ -307,10 +314,14 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
+def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
     """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64.
 
-    See the module docstring."""
+    See the module docstring; with ``wanted.divisor``, :func:`scaled_share`'s."""
+    p = wanted.p
+    assert p is not None
+    if wanted.divisor is not None:
+        return scaled_share([view], p, wanted.divisor)
     infinite = math.isinf(p)
     if view.device.type == "cuda":
         norm = torch.linalg.vector_norm(view, p, dtype=_float_dtype(view.dtype)).to(torch.float64)
