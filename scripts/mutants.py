@@ -472,6 +472,41 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="exact-norm-rescue-off",
+        bug="a p-norm whose sum |g|^p overflowed or underflowed is returned as the one reduction made it: inf (a "
+        "clip skipped as for a NaN grad), 0 (a clip to 0.1 of grads of 0.5, p=1000, scales nothing), 1 for p=1e300",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if not _untrusted(reduced.norm64, p):\n        return reduced\n",
+        replace="    return reduced\n",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e10-p4]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[3-and-4-p1000]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-1e160-beside-1-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-squares-overflowing-in-the-sum-over-ranks-only]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e-25-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[half-p1000]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[3-and-4-p1e300]",
+        ),
+    ),
+    Mutant(
+        name="exact-norm-rescues-an-infinite-grad",
+        bug="the exact norm's scaled read runs though the largest |g| is infinite: an inf grad's norm comes back NaN",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if not finite:\n        return reduced\n",
+        replace="",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_a_nonfinite_grad_keeps_its_verdict_beside_an_overflow[inf-beside-1e10-p4]",
+        ),
+    ),
+    Mutant(
         name="inf-norm-verdict-not-reduced-across-replicas",
         bug="the inf-norm's non-finite verdict is not all-reduced over intra_dist_opt: each data-parallel replica "
         "decides alone",

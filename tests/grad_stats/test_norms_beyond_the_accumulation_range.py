@@ -26,16 +26,16 @@ from pgregistry.testing import run_world
 
 CASES: dict[str, tuple[torch.dtype, float, float]] = {
     # name: (dtype, norm_type, max_norm)
-    "float32 1e10, p=4": (torch.float32, 4.0, 1.0),
-    "3 and 4, p=1000": (torch.float32, 1000.0, 1.0),
-    "float64 1e160 beside 1, p=2": (torch.float64, 2.0, 1.0),
-    "float64 squares overflowing in the sum over ranks only": (torch.float64, 2.0, 1.0),
-    "float32 1e-25, p=2": (torch.float32, 2.0, 5e-7),
-    "0.5, p=1000": (torch.float32, 1000.0, 0.1),
-    "zeros, p=4": (torch.float32, 4.0, 1.0),
-    "3 and 4, p=1e300": (torch.float32, 1e300, 1.0),
+    "float32-1e10-p4": (torch.float32, 4.0, 1.0),
+    "3-and-4-p1000": (torch.float32, 1000.0, 1.0),
+    "float64-1e160-beside-1-p2": (torch.float64, 2.0, 1.0),
+    "float64-squares-overflowing-in-the-sum-over-ranks-only": (torch.float64, 2.0, 1.0),
+    "float32-1e-25-p2": (torch.float32, 2.0, 5e-7),
+    "half-p1000": (torch.float32, 1000.0, 0.1),
+    "zeros-p4": (torch.float32, 4.0, 1.0),
+    "3-and-4-p1e300": (torch.float32, 1e300, 1.0),
 }
-NONFINITE = {"NaN beside 1e10, p=4": math.nan, "inf beside 1e10, p=4": math.inf}
+NONFINITE = {"nan-beside-1e10-p4": math.nan, "inf-beside-1e10-p4": math.inf}
 SHAPES = ((4, 3), (4,))
 """An ``nn.Linear(3, 4)``'s weight and bias: each rank's stage."""
 
@@ -49,24 +49,24 @@ def _grads(case: str, rank: int) -> list[torch.Tensor]:
     """Stage ``rank``'s grads for ``case`` (float64, exactly representable in the case's dtype)."""
     dtype = CASES[case][0] if case in CASES else torch.float32
     seeds = [100 * rank + index for index in range(len(SHAPES))]
-    if case in ("float32 1e10, p=4", *NONFINITE):
+    if case in ("float32-1e10-p4", *NONFINITE):
         grads = [_uniform(shape, seed, 0.5e10, 1.5e10) for shape, seed in zip(SHAPES, seeds, strict=True)]
-    elif case.startswith("3 and 4"):
+    elif case.startswith("3-and-4"):
         grads = [torch.full(shape, 3.0, dtype=torch.float64) for shape in SHAPES]
         grads[0][rank, rank] = 4.0 * (rank + 1) / 2  # 2 on rank 0, 4 on rank 1
         grads[1][0] = -3.0
-    elif case == "float64 1e160 beside 1, p=2":
+    elif case == "float64-1e160-beside-1-p2":
         scale = 1e160 if rank == 0 else 1.0
         grads = [_uniform(shape, seed, -scale, scale) for shape, seed in zip(SHAPES, seeds, strict=True)]
-    elif case == "float64 squares overflowing in the sum over ranks only":
+    elif case == "float64-squares-overflowing-in-the-sum-over-ranks-only":
         # 16 squares of up to 9.6e306 a rank: 1.5e308 at most, finite; the sum of both ranks is not.
         grads = [_uniform(shape, seed, 2.9e153, 3.1e153) for shape, seed in zip(SHAPES, seeds, strict=True)]
-    elif case == "float32 1e-25, p=2":
+    elif case == "float32-1e-25-p2":
         grads = [_uniform(shape, seed, -1.5e-25, 1.5e-25) for shape, seed in zip(SHAPES, seeds, strict=True)]
-    elif case == "0.5, p=1000":
+    elif case == "half-p1000":
         grads = [_uniform(shape, seed, 0.4, 0.6) for shape, seed in zip(SHAPES, seeds, strict=True)]
     else:
-        assert case == "zeros, p=4", case
+        assert case == "zeros-p4", case
         grads = [torch.zeros(shape, dtype=torch.float64) for shape in SHAPES]
     grads = [grad.to(dtype).double() for grad in grads]
     if case in NONFINITE and rank == 1:
