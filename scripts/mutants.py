@@ -507,6 +507,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="exact-norm-reads-duplicates-unscaled",
+        bug="the exact norm's scaled read also reads the grads a rank holds but does not count (a TP duplicate), "
+        "unscaled, for a verdict already made: their overflow makes the exact norm inf again",
+        file="pgregistry/grad_stats/_plan.py",
+        find="        watch = wanted.p is not None and wanted.divisor is None\n",
+        replace="        watch = wanted.p is not None\n",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e10-p4]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[3-and-4-p1000]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-1e160-beside-1-p2]",
+        ),
+    ),
+    Mutant(
         name="inf-norm-verdict-not-reduced-across-replicas",
         bug="the inf-norm's non-finite verdict is not all-reduced over intra_dist_opt: each data-parallel replica "
         "decides alone",

@@ -6,8 +6,9 @@ scaled, so float32 grads of 1e10 with ``norm_type=4``, grads of 3 and 4 with ``n
 with the 2-norm or of 0.5 with ``norm_type=1000`` gave 0 (a clip to 0.1 of the latter scaled nothing). Checked over
 two pipeline stages (the shares summed over both ranks) on every path that reads grads: ``grad_norm`` and
 ``clip_grad_norm_`` (the plan's list read), the list path (``norm_of_grads``), the optimizer's flat buffer,
-``pgregistry.modules``' job-wide statistics, and DTensor pieces sharded over the data-parallel mesh; against norms
-computed exactly in decimal arithmetic. Non-finite grads keep their verdict on every rank.
+``pgregistry.modules``' job-wide statistics, DTensor pieces sharded over the data-parallel mesh, and at TP 2 (a
+replicated grad counted on one rank, read on the other for the verdict only); against norms computed exactly in
+decimal arithmetic. Non-finite grads keep their verdict on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from pgregistry import ParallelLayout, registry
 from pgregistry.grad_stats import clip_grad_norm_, grad_norm, norm_of_grads
+from pgregistry.params import mark_tensor_parallel
 from pgregistry.testing import run_world
 
 CASES: dict[str, tuple[torch.dtype, float, float]] = {
@@ -138,6 +140,10 @@ def _on_rank(case: str) -> dict[str, object]:
     sharded.d = nn.Parameter(DTensor.from_local(torch.zeros(2, 8, dtype=dtype), mesh, [Shard(0)], run_check=False))
     sharded.d.grad = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False)
     out["dtensor"] = float(grad_norm(sharded, flat, norm_type=p))
+    if case in CASES:  # TP 2: each rank's weight a slice, rank 0's bias on both (counted once, read twice)
+        split = _stage(dtype, [grads[0], _grads(case, 0)[1]])
+        mark_tensor_parallel(split.weight, 0)
+        out["tp"] = float(grad_norm(split, registry.build(ParallelLayout(num_ranks=2, tp=2)), norm_type=p))
     return out
 
 
@@ -158,10 +164,13 @@ def test_the_norm_is_exact_and_the_clip_scales_by_it(results: list[dict[str, dic
     want = _exact_norm(values, p)
     assert math.isfinite(want) and want <= float(torch.finfo(dtype).max), case
     coefficient = _coefficient(max_norm, want)
+    once = [*grads[0][0].reshape(-1).tolist(), *grads[1][0].reshape(-1).tolist(), *grads[0][1].tolist()]
+    want_tp = _exact_norm(once, p)
     for rank, got in enumerate(results):
         where = (case, f"rank {rank}")
         for path in ("grad_norm", "list", "clip", "optimizer norm", "optimizer clip", "modules", "dtensor"):
             assert got[case][path] == pytest.approx(want, rel=1e-6, abs=0.0), (*where, path)
+        assert got[case]["tp"] == pytest.approx(want_tp, rel=1e-6, abs=0.0), (*where, "tp")
         for path in ("clipped", "optimizer clipped"):
             expected = [[x * coefficient for x in grad.reshape(-1).tolist()] for grad in grads[rank]]
             for clipped, scaled in zip(got[case][path], expected, strict=True):  # type: ignore[call-overload]
