@@ -289,9 +289,10 @@ def _untrusted(norm64: torch.Tensor, p: float) -> bool:
     Its ``sum |g|^p`` is infinite (an overflow, or an infinite grad: :func:`_exact_norm` tells them
     apart) or below :data:`_SMALLEST_TRUSTED_SHARE` (0 too: an underflow, or every grad zero); or
     ``p`` is beyond :data:`_LARGEST_TRUSTED_P`. A NaN is a NaN grad's verdict: kept."""
-    if p > _LARGEST_TRUSTED_P:
-        return not bool(norm64.isnan())
-    return bool(norm64.isinf() | (norm64 < _SMALLEST_TRUSTED_SHARE ** (1.0 / p)))
+    norm = float(norm64)  # the one host read
+    if math.isnan(norm):
+        return False
+    return p > _LARGEST_TRUSTED_P or math.isinf(norm) or norm < _SMALLEST_TRUSTED_SHARE ** (1.0 / p)
 
 
 def _exact_norm(
