@@ -261,7 +261,7 @@ def reduce_shares(
 
     ``reread``: given, a ``p``-norm the one reduction cannot be trusted with (:func:`_untrusted`:
     ``sum |g|^p`` overflowed or underflowed, or ``p`` beyond 2**126) is made exact from two reads
-    more (:func:`_exact_norm`). Deciding reads one flag on the host (a device sync on CUDA), where
+    more (:func:`_exact_norm`). Deciding reads the reduced norm on the host (a device sync on CUDA):
     every rank of the reduction groups holds the same norm, so every rank takes the same branch.
     """
     reduced = _reduce_once(shares, verdict)
