@@ -46,8 +46,10 @@ from pgregistry.grad_stats._reductions import (
     GroupKey,
     Shares,
     Wanted,
+    accumulates_in,
     make_part,
     makes_norm_float64,
+    ranged_squares,
 )
 
 __all__ = [
@@ -101,11 +103,6 @@ def by_kind(
         return {}
     grouped = torch._C._group_tensors_by_device_and_dtype([list[torch.Tensor | None](grads)], False)
     return {kind: cast("list[torch.Tensor]", lists[0]) for kind, (lists, _) in grouped.items()}
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a kind's norms: float64 for float64 (and complex128) grads, else float32."""
-    return torch.float64 if makes_norm_float64(dtype) else torch.float32
 
 
 @attrs.frozen(slots=True)
@@ -225,11 +222,14 @@ def _torch_part(
 ) -> torch.Tensor:
     """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms.
 
-    Float64: exact up to 2**53 elements; no mask the size of the grads."""
+    Float64: exact up to 2**53 elements; no mask the size of the grads. The 2-norm of float64 grads
+    by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
     share = zeros = None
     norm_over = _non_empty(norm_over)
-    if norm_over and wanted.p is not None:
-        accumulate_in = _accumulation_dtype(norm_over[0].dtype)
+    if norm_over and wanted.ranged and makes_norm_float64(norm_over[0].dtype):
+        share = ranged_squares(norm_over, HOST_BLOCK)
+    elif norm_over and wanted.p is not None:
+        accumulate_in = accumulates_in(norm_over[0].dtype, wanted.p)
         norms = torch.stack(torch._foreach_norm(norm_over, wanted.p, dtype=accumulate_in)).to(
             torch.float64
         )
@@ -253,8 +253,10 @@ def _host_part(
     """Both statistics of host ``tensors``, a block at a time (see the module docstring).
 
     The tensors of a block are concatenated into one (one dispatch, a block's memory); a tensor
-    alone in its block is read in place."""
-    accumulate_in = _accumulation_dtype(plan.dtype)
+    alone in its block is read in place. The 2-norm of float64 grads by range
+    (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
+    ranged = wanted.ranged and makes_norm_float64(plan.dtype)
+    accumulate_in = accumulates_in(plan.dtype, wanted.p)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
     numel = 0
@@ -269,7 +271,9 @@ def _host_part(
         numel += block.numel()
         if not block.numel():
             continue
-        if wanted.p is not None:
+        if ranged:
+            norms.append(ranged_squares([block], HOST_BLOCK))
+        elif wanted.p is not None:
             if block.numel() > HOST_BLOCK:  # a long reduction in float32 loses precision: by rows
                 rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
             else:  # one reduction (a reduction over rows costs a dispatch more than a block's read)
@@ -285,7 +289,7 @@ def _host_part(
     share = zeros = None
     if wanted.p is not None and norms:
         stacked = torch.stack(norms)
-        share = stacked.amax() if math.isinf(wanted.p) else stacked.sum()
+        share = stacked.amax() if math.isinf(wanted.p) else stacked.sum(0)
     if wanted.zeros:
         counted = (
             torch.stack(nonzeros).sum().to(torch.float64)

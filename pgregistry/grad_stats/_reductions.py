@@ -85,6 +85,20 @@ V = TypeVar("V")
 _NORM, _ZEROS = range(2)
 """A part's columns: the norm's share and the zero count."""
 
+_LARGE, _SMALL = range(2, 4)
+_RANGED_WIDTH: Final = 4
+"""A 2-norm row's further columns: the squares of the float64 grads beyond the middle range, scaled
+into it (:func:`ranged_squares`); the norm column then holds the squares of every other grad."""
+
+_RANGE_EDGE: Final = 2.0**256
+"""Where :func:`ranged_squares` puts a float64 ``|g|``: at least this, the large column; below its
+reciprocal, the small one; else the norm column (squares within ``[2**-512, 2**512)``)."""
+
+_RANGE_SCALE: Final = 2.0**600
+"""What the large column's ``|g|`` are divided by and the small column's multiplied by, exactly (a
+power of two): every scaled square lies within ``[2**-948, 2**848]``, so neither column's sum
+over- or underflows."""
+
 
 @attrs.frozen(slots=True)
 class Wanted:
@@ -115,6 +129,24 @@ class Wanted:
     def infinite(self) -> bool:
         return self.p is not None and math.isinf(self.p)
 
+    @property
+    def ranged(self) -> bool:
+        """Whether this is the 2-norm, whose rows carry the squares by range
+        (:func:`ranged_squares`)."""
+        return self.p == 2.0
+
+    @property
+    def exact_in_one_reduction(self) -> bool:
+        """Whether the one reduction gives this norm exactly, for grads of any dtype (no host read).
+
+        The inf-norm is a maximum. The 1- and 2-norm accumulate ``|g|`` and ``g * g`` in float64
+        from the start (:func:`accumulates_in`): a float32, bf16 or fp16 value's square lies within
+        ``[2**-298, 2**256]``, a normal float64, and a sum of up to ``2**60`` of them cannot leave
+        float64's range; a float64 grad's squares go by range (:func:`ranged_squares`); a sum of
+        ``|g|`` is only infinite where the norm is beyond float64. Every other ``p`` (and ``p`` >
+        2**126) may need :func:`reduce_shares`' exact norm."""
+        return self.p is not None and (self.infinite or self.p in (1.0, 2.0))
+
 
 def nonfinite_part(part: torch.Tensor) -> torch.Tensor:
     """The part a read of grads this rank does not count adds: their NaN or inf.
@@ -130,13 +162,62 @@ def makes_norm_float64(dtype: torch.dtype) -> bool:
     return dtype in (torch.float64, torch.complex128)
 
 
+def accumulates_in(dtype: torch.dtype, p: float | None) -> torch.dtype:
+    """The dtype a ``p``-norm of ``dtype`` grads accumulates ``|g|^p`` in, from the first element.
+
+    Float64 for float64 (complex128) grads and, whatever the grads' dtype, for the 1- and 2-norm
+    (:attr:`Wanted.exact_in_one_reduction`); float32 otherwise (other ``p`` may over- or underflow
+    there: :func:`reduce_shares` makes them exact; ``None``, a zero count alone, needs no more)."""
+    return torch.float64 if makes_norm_float64(dtype) or p in (1.0, 2.0) else torch.float32
+
+
+def ranged_squares(tensors: Iterable[torch.Tensor], block: int) -> torch.Tensor:
+    """The squares of real float64 ``tensors`` by range: ``[middle, large, small]``, float64.
+
+    A float64 square leaves float64's range (beyond ``|g|`` of 1.3e154, below 1.5e-154 it loses
+    bits), so each ``|g|`` goes by range (:data:`_RANGE_EDGE`): the middle range squared as it is,
+    the large ones divided by :data:`_RANGE_SCALE` first, the small ones multiplied by it: powers
+    of two, exact. The three sums travel as columns of the row (:func:`reduce_shares`) and are
+    combined after the reduction (:func:`_ranged_two_norm`): the 2-norm of float64 grads is exact
+    with no host read and no second pass, on every rank alike. A NaN lands in the middle column, an
+    inf in the large one. ``block`` elements at a time (a few temporaries of a block each): float64
+    grads only, a few passes over them. :func:`make_part` makes it a part."""
+    columns = []
+    for tensor in tensors:
+        for piece in tensor.reshape(-1).split(block):
+            size = piece.abs()
+            large = size >= _RANGE_EDGE
+            small = size < 1.0 / _RANGE_EDGE
+            middle = torch.where(large | small, 0.0, size)
+            columns.append(
+                torch.stack(
+                    [
+                        torch.linalg.vector_norm(middle).square(),
+                        torch.linalg.vector_norm(
+                            torch.where(large, size, 0.0) / _RANGE_SCALE
+                        ).square(),
+                        torch.linalg.vector_norm(
+                            torch.where(small, size, 0.0) * _RANGE_SCALE
+                        ).square(),
+                    ]
+                )
+            )
+    if not columns:
+        return _float64_zeros(3, torch.device("cpu"))
+    return torch.stack(columns).sum(0) if len(columns) > 1 else columns[0]
+
+
 def make_part(
     norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
     """A part from a norm share and a zero count (0-dim tensors, either absent).
 
-    The norm share is ``sum |g|^p``, or ``max |g|``.
+    The norm share is ``sum |g|^p``, or ``max |g|``, or the 2-norm's squares by range (a vector,
+    :func:`ranged_squares`: the part is then a 2-norm row's four columns).
     """
+    if norm_share is not None and norm_share.dim():  # by range: [middle, zeros, large, small]
+        count = norm_share.new_zeros(()) if zeros is None else zeros.to(norm_share)
+        return torch.cat([norm_share[:1], count.reshape(1), norm_share[1:]]).to(device)
     if norm_share is None or zeros is None:
         present = norm_share if norm_share is not None else zeros
         if present is None:
@@ -266,7 +347,7 @@ def reduce_shares(
     """
     reduced = _reduce_once(shares, verdict)
     p = shares.wanted.p
-    if reread is None or p is None or math.isinf(p):
+    if reread is None or p is None or shares.wanted.exact_in_one_reduction:
         return reduced
     assert reduced.norm64 is not None
     if not _untrusted(reduced.norm64, p):
@@ -350,6 +431,11 @@ def _reduce_once(shares: Shares, verdict: Sequence[ProcessGroup | None]) -> Redu
             else _float64_zeros(1, device)
         )
         norm = peaks.amax()
+    elif wanted.ranged:
+        totals = list(reduced.values())
+        norm = _ranged_two_norm(
+            *(_column_total(totals, column, device) for column in (_NORM, _LARGE, _SMALL))
+        )
     else:
         norm = _column_total(list(reduced.values()), _NORM, device).pow(1.0 / wanted.p)
     flags = []  # each [NaN, inf] (counts, never negative: set where positive)
@@ -391,6 +477,25 @@ def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.devic
     return torch.stack([row[column] for row in rows]).sum() if rows else _float64_zeros((), device)
 
 
+def _ranged_two_norm(
+    middle: torch.Tensor, large: torch.Tensor, small: torch.Tensor
+) -> torch.Tensor:
+    """The 2-norm from the columns of :func:`ranged_squares` summed over every rank (0-dim float64).
+
+    With a large square, ``sqrt(large + middle / S**2) * S`` (``S``: :data:`_RANGE_SCALE`; the small
+    ones are below a 2**-1300th of it); else, with a middle one, ``sqrt(middle + small / S**2)``;
+    else ``sqrt(small) / S``. Each quotient is a normal float64 or negligible beside the column it
+    joins. A NaN or inf in a column (a grad that is one) is the norm."""
+    square = _RANGE_SCALE * _RANGE_SCALE
+    exact = torch.where(
+        large > 0,
+        torch.sqrt(large + middle / square) * _RANGE_SCALE,
+        torch.where(middle > 0, torch.sqrt(middle + small / square), small.sqrt() / _RANGE_SCALE),
+    )
+    every = middle + large + small
+    return torch.where(every.isfinite(), exact, every)
+
+
 def _nonfinite_flags(value: torch.Tensor) -> torch.Tensor:
     """``[NaN, inf]`` flags (1 or 0, float64) of a 0-dim tensor."""
     return torch.stack([value.isnan(), value.isinf()]).to(torch.float64)
@@ -403,7 +508,8 @@ def _local_nonfinite_flags(
     if not rows:
         return _float64_zeros(2, device)
     stacked = torch.stack(list(rows.values()))
-    seen = _nonfinite_flags(stacked[:, _NORM].sum())
+    shares = stacked[:, _NORM] if not wanted.ranged else stacked[:, [_NORM, _LARGE, _SMALL]]
+    seen = _nonfinite_flags(shares.sum())
     if wanted.infinite:
         seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))
     return seen
@@ -434,9 +540,11 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
     For the inf-norm ``[max, zeros, NaN seen]``, the NaN carried by the flag (a MAX reduction may
     drop it) and counting as 0 in the maximum."""
     if not wanted.infinite:
+        width = _RANGED_WIDTH if wanted.ranged else 2
         if not parts:
-            return _float64_zeros(2, device)
-        return parts[0] if len(parts) == 1 else torch.stack(list(parts)).sum(0)
+            return _float64_zeros(width, device)
+        widened = [_widened(part, width) for part in parts]
+        return widened[0] if len(widened) == 1 else torch.stack(widened).sum(0)
     if not parts:
         return _float64_zeros(3, device)
     rows = torch.stack(list(parts))
@@ -445,6 +553,14 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
     return torch.stack(
         [torch.where(nan, 0.0, share).amax(), rows[:, _ZEROS].sum(), nan.any().to(torch.float64)]
     )
+
+
+def _widened(part: torch.Tensor, width: int) -> torch.Tensor:
+    """``part`` with zero columns appended up to ``width``: a 2-norm part of grads that need no
+    range (:func:`ranged_squares`) as a row of the 2-norm."""
+    if part.shape[0] == width:
+        return part
+    return torch.nn.functional.pad(part, (0, width - part.shape[0]))
 
 
 def _reduce_rows(

@@ -63,8 +63,10 @@ from pgregistry.grad_stats._reductions import (
     Reduced,
     Shares,
     Wanted,
+    accumulates_in,
     make_part,
     nonfinite_part,
+    ranged_squares,
     reduce_shares,
 )
 
@@ -317,16 +319,19 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
     """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64.
 
-    See the module docstring; with ``wanted.divisor``, :func:`scaled_share`'s."""
+    See the module docstring; with ``wanted.divisor``, :func:`scaled_share`'s; a float64 view's
+    2-norm by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
     p = wanted.p
     assert p is not None
     if wanted.divisor is not None:
         return scaled_share([view], p, wanted.divisor)
+    if wanted.ranged and view.dtype == torch.float64:
+        return ranged_squares([view], HOST_BLOCK)
     infinite = math.isinf(p)
+    acc = accumulates_in(view.dtype, p)
     if view.device.type == "cuda":
-        norm = torch.linalg.vector_norm(view, p, dtype=_float_dtype(view.dtype)).to(torch.float64)
+        norm = torch.linalg.vector_norm(view, p, dtype=acc).to(torch.float64)
         return norm if infinite else norm.pow(p)
-    acc = _float_dtype(view.dtype)
     total = torch.zeros((), dtype=torch.float64, device=view.device)
     for block in view.split(HOST_BLOCK):
         rows = row_norms(block.to(acc), p, acc).to(torch.float64)
