@@ -241,8 +241,9 @@ def grad_norm_and_zeros(
     """:func:`grad_norm` and :func:`count_zeros` from one read of the grads, reduced together.
 
     One all-reduce per group for the 2-norm; with ``max_norm``, the grads are clipped from that norm
-    as :func:`clip_grad_norm_` does (no second read, unless the norm needs the exact path:
-    :func:`~pgregistry.grad_stats._reductions.reduce_shares`, one host read of the norm).
+    as :func:`clip_grad_norm_` does (no second read, and no host sync for the 1-, 2- and inf-norm;
+    another ``p`` reads the norm on the host once, and the grads again where it needs the exact
+    path: :func:`~pgregistry.grad_stats._reductions.reduce_shares`).
 
     Args:
         params: a model, model chunks, a name -> parameter mapping, one tensor or an iterable of

@@ -4,9 +4,10 @@ reduction path (:mod:`pgregistry.grad_stats._reductions`) over lists of tensors 
 :mod:`pgregistry.grad_stats._local`.
 
 The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave
-the result on the grads' device, so optimizers and training loops can call them every step; a norm
-reads one flag on the host, whether it is exact (a device sync on CUDA; see
-:func:`~pgregistry.grad_stats._reductions.reduce_shares`). See ``docs/design/grad_stats_api.md``.
+the result on the grads' device with no host sync, so optimizers and training loops can call them
+every step; only a norm other than the 1-, 2- and inf-norm reads its value on the host, whether it
+is exact (a device sync on CUDA; see :func:`~pgregistry.grad_stats._reductions.reduce_shares`). See
+``docs/design/grad_stats_api.md``.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
 
     One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order
     every rank agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Exact
-    where ``sum |g|^p`` leaves the float range (two reads and reductions more there); deciding that
-    is one host read of the norm (:func:`~pgregistry.grad_stats._reductions.reduce_shares`).
+    where ``sum |g|^p`` leaves the float range: the 1-, 2- and inf-norm in the one reduction, with
+    no host sync; another ``p`` reads the norm on the host once and, only there, the grads twice
+    more (:func:`~pgregistry.grad_stats._reductions.reduce_shares`).
 
     Args:
         grads_by_group: reduction group -> the grads counted on this rank. Every rank of a group

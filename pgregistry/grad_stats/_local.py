@@ -10,8 +10,9 @@ Each (device, dtype) *kind* of a list is read by one route:
 * the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds
   each, which dominates for small grads), so small grads are concatenated (one dispatch; by trailing
   shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements in the
-  accumulation dtype (float32; float64 for float64 grads), each reduced for both statistics while it
-  is in the cache; a grad of more than :data:`HOST_SMALL` elements is read in place, over rows of
+  accumulation dtype (float64 for the 1- and 2-norm and for float64 grads, else float32:
+  :func:`~pgregistry.grad_stats._reductions.accumulates_in`), each reduced for both statistics while
+  it is in the cache; a grad of more than :data:`HOST_SMALL` elements is read in place, over rows of
   :data:`HOST_ROW` elements combined in float64 when it is longer than :data:`HOST_BLOCK` (one
   float32 reduction that long loses precision). The extra memory is one block, whatever the grads'
   size;
@@ -24,7 +25,9 @@ are scaled in place by the real coefficient.
 How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their
 values: :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls
 for as long as that layout stays the same. Shares accumulate in float64
-(:mod:`pgregistry.grad_stats._reductions`).
+(:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element (torch's norms
+take ``dtype=torch.float64``, the kernel squares in float64), a float64 grad's 2-norm by range
+(:func:`~pgregistry.grad_stats._reductions.ranged_squares`), so neither needs a host read.
 """
 
 from __future__ import annotations

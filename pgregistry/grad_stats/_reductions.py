@@ -18,10 +18,11 @@ every collective of a call in the one agreed order and combines:
    collection's ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every
    rank clips, skips or raises alike. One 2-element all-reduce, none when a reduction group of step
    2 already spans those ranks (the flags then ride in its row);
-4. only where the norm of steps 1-3 cannot be trusted (``sum |g|^p`` overflowed or underflowed the
-   float range; a ``p`` beyond 2**126) and the caller can read the grads again: the inf-norm ``m``
-   over the same groups, then the shares again divided by ``m``, reduced as above
-   (:func:`reduce_shares`): the norm ``m * (sum (|g| / m)^p)^(1/p)``, exact.
+4. only for a ``p`` other than 1, 2 and inf (those are exact in steps 1-3:
+   :attr:`Wanted.exact_in_one_reduction`), where the norm of steps 1-3 cannot be trusted (``sum
+   |g|^p`` overflowed or underflowed the float range; a ``p`` beyond 2**126) and the caller can read
+   the grads again: the inf-norm ``m`` over the same groups, then the shares again divided by ``m``,
+   reduced as above (:func:`reduce_shares`): the norm ``m * (sum (|g| / m)^p)^(1/p)``, exact.
 
 A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes
 first), so the inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP,
@@ -29,9 +30,12 @@ expert TP and GTP duplicates, ``shared`` copies) are read too, into *seen* parts
 (:func:`nonfinite_part`: their NaN or inf, nothing else) under the group their counted copy is
 summed over: whether the norm is finite is decided over every grad of every rank, in the rows that
 already travel, while each element is still counted once. Shares accumulate in float64 whatever the
-grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device but the
-host's read of whether a norm is exact (:func:`reduce_shares`, which makes it so where ``sum |g|^p``
-over- or underflowed): results are 0-dim tensors on the reduction device, the norm returned in
+grads' dtype (float64 grads of 3e30 have a finite norm); the 1- and 2-norm from the first element
+(:func:`accumulates_in`), a float64 grad's squares by range in two more columns of the 2-norm's
+rows (:func:`ranged_squares`), so the 1-, 2- and inf-norm wait on nothing: no host read, as torch's
+``clip_grad_norm_``. Another ``p`` reads its norm on the host once, whether it is exact
+(:func:`reduce_shares`, which makes it so where ``sum |g|^p`` over- or underflowed). Results are
+0-dim tensors on the reduction device, the norm returned in
 float64 where this rank holds a float64 (or complex128) grad, float32 otherwise
 (:attr:`Reduced.norm`). A call issues a few small operations whatever the number of grads.
 """
@@ -342,8 +346,11 @@ def reduce_shares(
 
     ``reread``: given, a ``p``-norm the one reduction cannot be trusted with (:func:`_untrusted`:
     ``sum |g|^p`` overflowed or underflowed, or ``p`` beyond 2**126) is made exact from two reads
-    more (:func:`_exact_norm`). Deciding reads the reduced norm on the host (a device sync on CUDA):
-    every rank of the reduction groups holds the same norm, so every rank takes the same branch.
+    more (:func:`_exact_norm`). The 1-, 2- and inf-norm never need it
+    (:attr:`Wanted.exact_in_one_reduction`): nothing is read on the host for them, decided from
+    ``p`` alone, the same on every rank (a rank's dtypes are not: a float64 stage beside a float32
+    one). Another ``p`` reads the reduced norm on the host (a device sync on CUDA): every rank of
+    the reduction groups holds the same norm, so every rank takes the same branch.
     """
     reduced = _reduce_once(shares, verdict)
     p = shares.wanted.p

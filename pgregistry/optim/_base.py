@@ -107,8 +107,9 @@ class OptimizerStatistics(abc.ABC):
         """The global grad norm of the model the optimizer covers (0-dim).
 
         Float64 for a float64 grad buffer, else float32; NaN or infinite when any grad is,
-        duplicates included. Exact where ``sum |g|^p`` leaves the float range; deciding that is one
-        host read of the norm (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+        duplicates included. Exact where ``sum |g|^p`` leaves the float range; no host sync for the
+        1-, 2- and inf-norm, one host read of the norm for another ``p``
+        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:

@@ -20,7 +20,9 @@ the parameter count:
   (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`: its NaN or inf only) under its group,
   so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
 * on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output
-  (a bf16/fp16 span is cast inside the kernel when the output is float32);
+  (a bf16/fp16/float32 span is cast inside the kernel: to float64 for the 1- and 2-norm, so no
+  ``|g|`` or square over- or underflows, :func:`~pgregistry.grad_stats._reductions.accumulates_in`;
+  a float64 span's 2-norm by range, :func:`~pgregistry.grad_stats._reductions.ranged_squares`);
 * on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0``
   (a byte per element), so a span is viewed as rows of at most 2**24 elements and reduced with
   ``vector_norm(ord=0)``, whose float32 count is exact per row (every partial sum is an integer
@@ -29,7 +31,8 @@ the parameter count:
   relative error of 1.7e-4 measured over 8M elements), casts of bf16 are copies, and
   ``count_nonzero`` branches per element (3x slower than a mask on random zeros). There both
   statistics walk blocks of :data:`HOST_BLOCK` elements: the norm reduces rows of :data:`HOST_ROW`
-  elements in float32 and accumulates them in float64, the zero count compares into one reused mask.
+  elements (in float32, in float64 for the 1- and 2-norm) and accumulates them in float64, the zero
+  count compares into one reused mask.
   The extra memory stays bounded by a block, whatever the buffer's size.
 
 :func:`span_shares` accepts arbitrary spans over :attr:`GradBuffer.data`, which is how a sharded
@@ -238,7 +241,7 @@ class GradBuffer:
     def statistics(self, wanted: Wanted) -> Reduced:
         """The counted grads' statistics, each span's part reduced over its group.
 
-        No sync but the host's read of whether the norm is exact
+        No host sync for the 1-, 2- and inf-norm; another ``p`` reads whether its norm is exact
         (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
         return reduce_shares(self._shares(wanted), reread=self._shares)
 
@@ -250,8 +253,8 @@ class GradBuffer:
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the counted grads, reduced over each span's group.
 
-        0-dim, float64 for a float64 buffer, else float32; one host read (:meth:`statistics`). NaN
-        or infinite when any grad is, uncounted ones too."""
+        0-dim, float64 for a float64 buffer, else float32; a host read for a ``p`` other than 1, 2
+        and inf only (:meth:`statistics`). NaN or infinite when any grad is, uncounted ones too."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
