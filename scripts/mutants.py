@@ -537,11 +537,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="exact-norm-float32-kernel-lanes",
-        bug="the one-read kernel squares float32/bf16 elements in float32 lanes again: grads of 1e20 give an "
-        "infinite 2-norm, of 1e-25 a norm of 0, with no host read to catch it",
+        bug="the one-read kernel squares float32/bf16 elements in float32 again (the loaded block cast to float32): "
+        "grads of 1e20 give an infinite 2-norm, of 1e-25 a norm of 0, with no host read to catch it",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find="    squares = tl.zeros([BLOCK], dtype=tl.float64)\n",
-        replace="    squares = tl.zeros([BLOCK], dtype=tl.float32)\n",
+        find=".to(\n            tl.float64\n        )\n        squares += x * x\n",
+        replace=".to(\n            tl.float32\n        )\n        squares += x * x\n",
         tests=(
             "tests/grad_stats/test_fused_stats.py::"
             "test_squares_beyond_float32s_range_are_exact_in_the_kernels_float64_lanes",
