@@ -25,8 +25,11 @@ any check failed anywhere:
   there (the kept reads check their addresses), and on CUDA the clip kernel's rounding: bit for bit torch's
   ``_foreach_mul_`` for float32, bf16 and fp16 over a table of tensors, views off the 16-byte grid included, by a
   given coefficient and by the one the kernel makes from the norm (torch's ``clip_coefficient`` of it); norms whose
-  squares leave float32's range in the kernels (grads of 1e20, 1e-25) exact through ``grad_norm``,
-  ``clip_grad_norm_`` and, on CUDA, an optimizer's flat buffer, and the clips scaled by them;
+  squares leave float32's range (float32 and bf16 grads of 1e20, 1e-25: the one-read kernel's float64 lanes) or
+  float64's (float64 grads of 1e160: by range) exact through ``grad_norm``, ``clip_grad_norm_`` and, on CUDA, an
+  optimizer's flat buffer, and the clips scaled by them; on CUDA, the 1- and 2-norm's ``grad_norm``,
+  ``clip_grad_norm_`` and an optimizer's ``clip_grad_norm`` under ``torch.cuda.set_sync_debug_mode("error")``: no
+  device sync;
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
   model-parallel draws, and a fork that restores the outer stream;
 * on CUDA, the one-kernel optimizer step (:mod:`pgregistry.optim._fused_step`) compiled here: each rule it runs,
@@ -308,19 +311,23 @@ def kept_grads_checks(device: torch.device) -> list[Check]:
 
 
 def exact_norm_checks(device: torch.device) -> list[Check]:
-    """Grads whose ``sum |g|^2`` leaves float32's range in the one-read kernel's and torch's float32 squares: 1e20
-    (float32, bf16) overflows, 1e-25 underflows. The exact path (the largest ``|g|``, then the grads read again by
-    torch divided by it, in float64) gives the float64 oracle's norm, through the plan's read (``grad_norm``,
-    ``clip_grad_norm_``, scaled by the clip kernel) and, on CUDA, an optimizer's flat buffer (its one-read span
-    kernel, then the clip kernel); each clip scales by ``max_norm / (norm + 1e-6)``. Before: inf (the clip skipped)
-    or 0."""
+    """Grads whose ``sum |g|^2`` leaves float32's range in float32 squares: 1e20 (float32, bf16) overflows, 1e-25
+    underflows; and float64 grads of 1e160, whose squares overflow float64. The one-read kernel squares in float64
+    lanes, torch's norms take ``dtype=torch.float64``, float64 squares go by range: the one reduction gives the
+    float64 oracle's norm, with no host read, through the plan's read (``grad_norm``, ``clip_grad_norm_``, scaled by
+    the clip kernel) and, on CUDA, an optimizer's flat buffer (its one-read span kernel, then the clip kernel); each
+    clip scales by ``max_norm / (norm + 1e-6)``. Before: inf (the clip skipped) or 0."""
     checks = []
-    beyond = ((torch.float32, 1e20, 1.0), (torch.bfloat16, 1e20, 1.0), (torch.float32, 1e-25, 5e-7))
+    beyond = (
+        (torch.float32, 1e20, 1.0), (torch.bfloat16, 1e20, 1.0), (torch.float32, 1e-25, 5e-7),
+        (torch.float64, 1e160, 1.0),
+    )
     for dtype, scale, max_norm in beyond:
         model = torch.nn.Sequential(*(torch.nn.Linear(65, 33) for _ in range(3))).to(device, dtype)
         gen = torch.Generator(device=device).manual_seed(5)
         for param in model.parameters():
-            param.grad = (scale * torch.randn(param.shape, generator=gen, device=device)).to(dtype)
+            draw = torch.randn(param.shape, generator=gen, device=device, dtype=torch.float64)
+            param.grad = (scale * draw).to(dtype)
         before = [param.grad.double() / scale for param in model.parameters()]  # type: ignore[union-attr]
         want = float(torch.cat([grad.flatten() for grad in before]).norm()) * scale
         coefficient = min(1.0, max_norm / (want + 1e-6))
@@ -352,6 +359,36 @@ def exact_norm_checks(device: torch.device) -> list[Check]:
                    relatively_close(norm, oracle) and relatively_close(returned, oracle)
                    and math.isclose(after, 1.0, rel_tol=1e-5),
                    f"norm {norm:.7g}, clip {returned:.7g} vs {oracle:.7g}; after {after:.7g}"))
+    return checks + no_sync_checks(device, opt)
+
+
+def no_sync_checks(device: torch.device, opt: Any) -> list[Check]:
+    """The 1- and 2-norm wait on nothing (as torch's ``clip_grad_norm_``, which a training loop relies on): after a
+    first call (plans, launch tables, the kernel's probe), ``grad_norm``, ``clip_grad_norm_`` and the optimizer's
+    ``clip_grad_norm`` run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising
+    operation."""
+    checks = []
+    model = torch.nn.Sequential(*(torch.nn.Linear(65, 33) for _ in range(3))).to(device)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    calls = {
+        "grad_norm p=2": lambda: grad_norm(model, ALL_OFF),
+        "grad_norm p=1": lambda: grad_norm(model, ALL_OFF, norm_type=1.0),
+        "clip_grad_norm_ p=2": lambda: clip_grad_norm_(model, 1.0, ALL_OFF),
+        "optimizer clip_grad_norm p=2": lambda: opt.clip_grad_norm(1.0),
+    }
+    for name, call in calls.items():
+        call()  # the first call may plan and probe
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            error = ""
+        except RuntimeError as raised:
+            error = str(raised).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        checks.append((f"no device sync: {name}", not error, error or "none"))
     return checks
 
 

@@ -515,8 +515,10 @@ def _local_nonfinite_flags(
     if not rows:
         return _float64_zeros(2, device)
     stacked = torch.stack(list(rows.values()))
-    shares = stacked[:, _NORM] if not wanted.ranged else stacked[:, [_NORM, _LARGE, _SMALL]]
-    seen = _nonfinite_flags(shares.sum())
+    shares = stacked[:, _NORM].sum()
+    if wanted.ranged:  # slices, not a list index (a host-to-device copy of the index on CUDA)
+        shares = shares + stacked[:, _LARGE:].sum()
+    seen = _nonfinite_flags(shares)
     if wanted.infinite:
         seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))
     return seen
