@@ -337,7 +337,7 @@ def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
         return norm if infinite else norm.pow(p)
     total = torch.zeros((), dtype=torch.float64, device=view.device)
     for block in view.split(HOST_BLOCK):
-        rows = row_norms(block.to(acc), p, acc).to(torch.float64)
+        rows = row_norms(block, p, acc).to(torch.float64)
         total = torch.maximum(total, rows.max()) if infinite else total + rows.pow(p).sum()
     return total
 
