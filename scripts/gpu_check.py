@@ -352,6 +352,11 @@ def exact_norm_checks(device: torch.device) -> list[Check]:
     start = [grad.double() / 1e20 for grad in opt.grads_to_clip()]
     oracle = float(torch.cat([grad.flatten() for grad in start]).norm()) * 1e20
     norm = float(opt.get_grad_norm())
+    one_norm = float(opt.get_grad_norm(1.0))  # torch's multi-tensor norm over the span, cast as it reads
+    one_oracle = float(torch.cat([grad.flatten() for grad in start]).abs().sum()) * 1e20
+    checks.append(("exact norm, MixedPrecisionOptimizer's flat buffer of grads of 1e20, p=1 (_foreach_norm in "
+                   "float64): the oracle's norm", relatively_close(one_norm, one_oracle),
+                   f"norm {one_norm:.7g} vs {one_oracle:.7g}"))
     returned = float(opt.clip_grad_norm(1.0))
     after = float(torch.cat([grad.double().flatten() for grad in opt.grads_to_clip()]).norm())
     checks.append(("exact norm, MixedPrecisionOptimizer's flat buffer of grads of 1e20 (span kernel, clip kernel): "

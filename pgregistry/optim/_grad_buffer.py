@@ -19,10 +19,11 @@ the parameter count:
   group, in the one agreed order; an uncounted span is read into a seen part
   (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`: its NaN or inf only) under its group,
   so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
-* on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output
-  (a bf16/fp16/float32 span is cast inside the kernel: to float64 for the 1- and 2-norm, so no
-  ``|g|`` or square over- or underflows, :func:`~pgregistry.grad_stats._reductions.accumulates_in`;
-  a float64 span's 2-norm by range, :func:`~pgregistry.grad_stats._reductions.ranged_squares`);
+* on CUDA the local norm is one ``torch._foreach_norm`` per span, a reduction that allocates only
+  its output: each element is cast as it is read (to float64 for the 1- and 2-norm, so no ``|g|``
+  or square over- or underflows, :func:`~pgregistry.grad_stats._reductions.accumulates_in`), where
+  ``vector_norm(..., dtype=torch.float64)`` would first cast a copy of the whole span; a float64
+  span's 2-norm goes by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`);
 * on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0``
   (a byte per element), so a span is viewed as rows of at most 2**24 elements and reduced with
   ``vector_norm(ord=0)``, whose float32 count is exact per row (every partial sum is an integer
@@ -332,9 +333,9 @@ def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
         return ranged_squares([view], HOST_BLOCK)
     infinite = math.isinf(p)
     acc = accumulates_in(view.dtype, p)
-    if view.device.type == "cuda":
-        norm = torch.linalg.vector_norm(view, p, dtype=acc).to(torch.float64)
-        return norm if infinite else norm.pow(p)
+    if view.device.type == "cuda":  # torch's multi-tensor norm casts each element as it reads it
+        (norm,) = torch._foreach_norm([view], p, dtype=acc)
+        return norm.to(torch.float64) if infinite else norm.to(torch.float64).pow(p)
     total = torch.zeros((), dtype=torch.float64, device=view.device)
     for block in view.split(HOST_BLOCK):
         rows = row_norms(block, p, acc).to(torch.float64)
