@@ -90,9 +90,11 @@ _NORM, _ZEROS = range(2)
 """A part's columns: the norm's share and the zero count."""
 
 _LARGE, _SMALL = range(2, 4)
-_RANGED_WIDTH: Final = 4
 """A 2-norm row's further columns: the squares of the float64 grads beyond the middle range, scaled
 into it (:func:`ranged_squares`); the norm column then holds the squares of every other grad."""
+
+_RANGED_WIDTH: Final = 4
+"""A 2-norm row's width: the norm column, the zero count, the large and the small column."""
 
 _RANGE_EDGE: Final = 2.0**256
 """Where :func:`ranged_squares` puts a float64 ``|g|``: at least this, the large column; below its
@@ -489,10 +491,10 @@ def _ranged_two_norm(
 ) -> torch.Tensor:
     """The 2-norm from the columns of :func:`ranged_squares` summed over every rank (0-dim float64).
 
-    With a large square, ``sqrt(large + middle / S**2) * S`` (``S``: :data:`_RANGE_SCALE`; the small
-    ones are below a 2**-1300th of it); else, with a middle one, ``sqrt(middle + small / S**2)``;
-    else ``sqrt(small) / S``. Each quotient is a normal float64 or negligible beside the column it
-    joins. A NaN or inf in a column (a grad that is one) is the norm."""
+    With a large square, ``sqrt(large + middle / S**2) * S`` (``S``: :data:`_RANGE_SCALE`; a small
+    square is below a 2**-1024th of a large one: left out); else, with a middle one, ``sqrt(middle +
+    small / S**2)``; else ``sqrt(small) / S``. Each quotient is a normal float64 or negligible
+    beside the column it joins. A NaN or inf in a column (a grad that is one) is the norm."""
     square = _RANGE_SCALE * _RANGE_SCALE
     exact = torch.where(
         large > 0,
