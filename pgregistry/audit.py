@@ -500,9 +500,15 @@ def _norm_parts_weighted_by(
     In float64 so the weights of replicas add up exactly, and a mismatch as small as float64
     resolves shows in the ratio."""
     parts = parts_of([grad], Wanted.of(2.0, zeros=False), device)
-    return [
-        part * torch.tensor([weight, 1.0], dtype=torch.float64, device=device) for part in parts
-    ]
+    return [part * _share_weights(part, weight) for part in parts]
+
+
+def _share_weights(part: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight`` for each share column of ``part``, 1 for its zero count (the second column): a
+    float64 grad's 2-norm part has more share columns, its squares by range."""
+    weights = torch.full(part.shape, weight, dtype=torch.float64, device=part.device)
+    weights[1] = 1.0
+    return weights
 
 
 def _embedding_group(collection: ProcessGroupCollection) -> ProcessGroup | None:

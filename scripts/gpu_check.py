@@ -24,7 +24,12 @@ any check failed anywhere:
   ``dp_cp``) against torch's own DTensor norm, the same grad objects re-pointed at new storage read and clipped
   there (the kept reads check their addresses), and on CUDA the clip kernel's rounding: bit for bit torch's
   ``_foreach_mul_`` for float32, bf16 and fp16 over a table of tensors, views off the 16-byte grid included, by a
-  given coefficient and by the one the kernel makes from the norm (torch's ``clip_coefficient`` of it);
+  given coefficient and by the one the kernel makes from the norm (torch's ``clip_coefficient`` of it); norms whose
+  squares leave float32's range (float32 and bf16 grads of 1e20, 1e-25: the one-read kernel's float64 lanes) or
+  float64's (float64 grads of 1e160: by range) exact through ``grad_norm``, ``clip_grad_norm_`` and, on CUDA, an
+  optimizer's flat buffer, and the clips scaled by them; on CUDA, the 1- and 2-norm's ``grad_norm``,
+  ``clip_grad_norm_`` and an optimizer's ``clip_grad_norm`` under ``torch.cuda.set_sync_debug_mode("error")``: no
+  device sync;
 * the RNG tracker on the device's generators (TP = W): identical data-parallel draws on every rank, distinct
   model-parallel draws, and a fork that restores the outer stream;
 * on CUDA, the one-kernel optimizer step (:mod:`pgregistry.optim._fused_step`) compiled here: each rule it runs,
@@ -126,6 +131,11 @@ def layouts_for(world: int) -> dict[str, dict[str, int]]:
 
 def close(value: float, want: float) -> bool:
     return math.isclose(value, want, rel_tol=REL, abs_tol=REL)
+
+
+def relatively_close(value: float, want: float) -> bool:
+    """Within :data:`REL` of ``want``, however small (a norm of 1e-24 is not 0)."""
+    return math.isclose(value, want, rel_tol=REL)
 
 
 # ------------------------------------------------------------------------------- expert grads with expert TP
@@ -270,7 +280,10 @@ def stats_api_checks(world: int, device: torch.device) -> list[Check]:
     )
     checks.append(("clip_grad_norm_ below the norm: grads = oracle's clipped grads",
                    close(returned, want_norm) and worst < 1e-6, f"max error {worst:.2e}"))
-    return checks + kept_grads_checks(device) + fsdp_checks(world, device) + scale_kernel_checks(device)
+    return (
+        checks + kept_grads_checks(device) + fsdp_checks(world, device) + scale_kernel_checks(device)
+        + exact_norm_checks(device)
+    )
 
 
 def kept_grads_checks(device: torch.device) -> list[Check]:
@@ -295,6 +308,93 @@ def kept_grads_checks(device: torch.device) -> list[Check]:
     return [("clip_grad_norm_ of the same grad objects re-pointed at new storage: reads and scales the new storage",
              close(returned, want) and close(after, want / 2) and untouched,
              f"returned {returned} (want {want}), after {after}, old storage untouched {untouched}")]
+
+
+def exact_norm_checks(device: torch.device) -> list[Check]:
+    """Grads whose ``sum |g|^2`` leaves float32's range in float32 squares: 1e20 (float32, bf16) overflows, 1e-25
+    underflows; and float64 grads of 1e160, whose squares overflow float64. The one-read kernel squares in float64
+    lanes, torch's norms take ``dtype=torch.float64``, float64 squares go by range: the one reduction gives the
+    float64 oracle's norm, with no host read, through the plan's read (``grad_norm``, ``clip_grad_norm_``, scaled by
+    the clip kernel) and, on CUDA, an optimizer's flat buffer (its one-read span kernel, then the clip kernel); each
+    clip scales by ``max_norm / (norm + 1e-6)``. Before: inf (the clip skipped) or 0."""
+    checks = []
+    beyond = (
+        (torch.float32, 1e20, 1.0), (torch.bfloat16, 1e20, 1.0), (torch.float32, 1e-25, 5e-7),
+        (torch.float64, 1e160, 1.0),
+    )
+    for dtype, scale, max_norm in beyond:
+        model = torch.nn.Sequential(*(torch.nn.Linear(65, 33) for _ in range(3))).to(device, dtype)
+        gen = torch.Generator(device=device).manual_seed(5)
+        for param in model.parameters():
+            draw = torch.randn(param.shape, generator=gen, device=device, dtype=torch.float64)
+            param.grad = (scale * draw).to(dtype)
+        before = [param.grad.double() / scale for param in model.parameters()]  # type: ignore[union-attr]
+        want = float(torch.cat([grad.flatten() for grad in before]).norm()) * scale
+        coefficient = min(1.0, max_norm / (want + 1e-6))
+        norm = float(grad_norm(model, ALL_OFF))
+        returned = float(clip_grad_norm_(model, max_norm, ALL_OFF))
+        worst = max(  # relative to the largest clipped grad; bf16 rounds each product to 8 bits
+            float((param.grad.double() / scale - grad * coefficient).abs().max())  # type: ignore[union-attr]
+            / float((grad * coefficient).abs().max())
+            for param, grad in zip(model.parameters(), before, strict=True)
+        )
+        tolerance = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+        checks.append((f"exact norm, {dtype} grads of {scale:g}: grad_norm and clip_grad_norm_ = float64 oracle, "
+                       "grads scaled by max_norm / (norm + 1e-6)",
+                       relatively_close(norm, want) and relatively_close(returned, want) and worst <= tolerance,
+                       f"norm {norm:.7g}, clip {returned:.7g} vs {want:.7g}; worst scaled grad {worst:.1e}"))
+    if device.type != "cuda" or not can_run_fused_stats(device) or not can_run_fused_step(device):
+        return checks
+    opt = _optimizer(MixedPrecisionOptimizer, [torch.bfloat16, torch.float32], device, kernel=True)
+    for index, param in enumerate(opt.params):
+        grad = values(max(param.numel(), 8), seed=index, device=device)[: param.numel()]
+        param.main_grad.copy_(1e20 * grad.view(param.shape))
+    start = [grad.double() / 1e20 for grad in opt.grads_to_clip()]
+    oracle = float(torch.cat([grad.flatten() for grad in start]).norm()) * 1e20
+    norm = float(opt.get_grad_norm())
+    one_norm = float(opt.get_grad_norm(1.0))  # torch's multi-tensor norm over the span, cast as it reads
+    one_oracle = float(torch.cat([grad.flatten() for grad in start]).abs().sum()) * 1e20
+    checks.append(("exact norm, MixedPrecisionOptimizer's flat buffer of grads of 1e20, p=1 (_foreach_norm in "
+                   "float64): the oracle's norm", relatively_close(one_norm, one_oracle),
+                   f"norm {one_norm:.7g} vs {one_oracle:.7g}"))
+    returned = float(opt.clip_grad_norm(1.0))
+    after = float(torch.cat([grad.double().flatten() for grad in opt.grads_to_clip()]).norm())
+    checks.append(("exact norm, MixedPrecisionOptimizer's flat buffer of grads of 1e20 (span kernel, clip kernel): "
+                   "the oracle's norm, clipped to 1",
+                   relatively_close(norm, oracle) and relatively_close(returned, oracle)
+                   and math.isclose(after, 1.0, rel_tol=1e-5),
+                   f"norm {norm:.7g}, clip {returned:.7g} vs {oracle:.7g}; after {after:.7g}"))
+    return checks + no_sync_checks(device, opt)
+
+
+def no_sync_checks(device: torch.device, opt: Any) -> list[Check]:
+    """The 1- and 2-norm wait on nothing (as torch's ``clip_grad_norm_``, which a training loop relies on): after a
+    first call (plans, launch tables, the kernel's probe), ``grad_norm``, ``clip_grad_norm_`` and the optimizer's
+    ``clip_grad_norm`` run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising
+    operation."""
+    checks = []
+    model = torch.nn.Sequential(*(torch.nn.Linear(65, 33) for _ in range(3))).to(device)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    calls = {
+        "grad_norm p=2": lambda: grad_norm(model, ALL_OFF),
+        "grad_norm p=1": lambda: grad_norm(model, ALL_OFF, norm_type=1.0),
+        "clip_grad_norm_ p=2": lambda: clip_grad_norm_(model, 1.0, ALL_OFF),
+        "optimizer clip_grad_norm p=2": lambda: opt.clip_grad_norm(1.0),
+    }
+    for name, call in calls.items():
+        call()  # the first call may plan and probe
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            error = ""
+        except RuntimeError as raised:
+            error = str(raised).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        checks.append((f"no device sync: {name}", not error, error or "none"))
+    return checks
 
 
 def fsdp_checks(world: int, device: torch.device) -> list[Check]:

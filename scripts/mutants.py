@@ -472,6 +472,127 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="exact-norm-rescue-off",
+        bug="a p-norm (p other than 1, 2, inf) whose sum |g|^p overflowed or underflowed is returned as the one "
+        "reduction made it: inf (a clip skipped as for a NaN grad), 0 (a clip to 0.1 of grads of 0.5, p=1000, scales "
+        "nothing), 1 for p=1e300",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if not _untrusted(reduced.norm64, p):\n        return reduced\n",
+        replace="    return reduced\n",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e10-p4]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[3-and-4-p1000]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[half-p1000]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[3-and-4-p1e300]",
+        ),
+    ),
+    Mutant(
+        name="exact-norm-rescues-an-infinite-grad",
+        bug="the exact norm's scaled read runs though the largest |g| is infinite: an inf grad's norm comes back NaN",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if not finite:\n        return reduced\n",
+        replace="",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_a_nonfinite_grad_keeps_its_verdict_beside_an_overflow[inf-beside-1e10-p4]",
+        ),
+    ),
+    Mutant(
+        name="exact-norm-reads-duplicates-unscaled",
+        bug="the exact norm's scaled read also reads the grads a rank holds but does not count (a TP duplicate), "
+        "unscaled, for a verdict already made: their overflow makes the exact norm inf again (p other than 1, 2, inf)",
+        file="pgregistry/grad_stats/_plan.py",
+        find="        watch = wanted.p is not None and wanted.divisor is None\n",
+        replace="        watch = wanted.p is not None\n",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e10-p4]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[3-and-4-p1000]",
+        ),
+    ),
+    Mutant(
+        name="exact-norm-float32-accumulation",
+        bug="the 1- and 2-norm of float32/bf16 grads accumulate |g| and g*g in float32 again while the host read "
+        "stays skipped: grads of 1e20 (p=2) and 1e38 summed (p=1) give inf, grads of 1e-25 (p=2) give 0",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="return torch.float64 if makes_norm_float64(dtype) or p in (1.0, 2.0) else torch.float32",
+        replace="return torch.float64 if makes_norm_float64(dtype) else torch.float32",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e20-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[bf16-1e20-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e-25-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[bf16-1e-25-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e38-p1]",
+        ),
+    ),
+    Mutant(
+        name="exact-norm-float32-kernel-lanes",
+        bug="the one-read kernel squares float32/bf16 elements in float32 again (the loaded block cast to float32): "
+        "grads of 1e20 give an infinite 2-norm, of 1e-25 a norm of 0, with no host read to catch it",
+        file="pgregistry/grad_stats/_triton_kernels.py",
+        find=".to(\n            tl.float64\n        )\n        squares += x * x\n",
+        replace=".to(\n            tl.float32\n        )\n        squares += x * x\n",
+        tests=(
+            "tests/grad_stats/test_fused_stats.py::"
+            "test_squares_beyond_float32s_range_are_exact_in_the_kernels_float64_lanes",
+        ),
+    ),
+    Mutant(
+        name="two-norm-float64-squares-not-ranged",
+        bug="a float64 grad's squares are summed as they are, not by range: grads of 1e160 give an infinite 2-norm "
+        "(a clip skipped), of 1e-170 a norm of 0",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="        return self.p == 2.0\n",
+        replace="        return False\n",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-1e160-beside-1-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-squares-overflowing-in-the-sum-over-ranks-only]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-1e-170-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-1e160-stage-beside-a-float32-stage-p2]",
+        ),
+    ),
+    Mutant(
+        name="one-and-two-norm-read-on-the-host",
+        bug="the 1- and 2-norm read the reduced norm on the host again, as every norm did on this branch: a device "
+        "sync per clip on CUDA where torch's clip_grad_norm_ has none",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="return self.p is not None and (self.infinite or self.p in (1.0, 2.0))",
+        replace="return self.p is not None and self.infinite",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e20-p1]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e-25-p1]",
+        ),
+    ),
+    Mutant(
+        name="exact-norm-decided-from-this-ranks-dtypes",
+        bug="the 1- and 2-norm's host read skipped where this rank's grads are no wider than float32 and taken "
+        "where they are float64 (a decision from each rank's dtypes): a float64 stage beside a float32 one reads "
+        "on the host alone, and where its norm is untrusted enters the rescue's all-reduce alone and waits there",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    if reread is None or p is None or shares.wanted.exact_in_one_reduction:\n",
+        replace="    if reread is None or p is None or (shares.wanted.exact_in_one_reduction and not shares.wide):\n",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-1e160-stage-beside-a-float32-stage-p2]",
+        ),
+    ),
+    Mutant(
         name="inf-norm-verdict-not-reduced-across-replicas",
         bug="the inf-norm's non-finite verdict is not all-reduced over intra_dist_opt: each data-parallel replica "
         "decides alone",

@@ -146,7 +146,9 @@ def _read_reduce_and_clip(
     plan, ordered, collection = check_or_make_plan(source, given, owner)
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
     verdict = verdict_groups(collection, owner) if max_norm is not None else ()
-    reduced = reduce_shares(read.shares, verdict=verdict)
+    reduced = reduce_shares(
+        read.shares, verdict=verdict, reread=lambda again: plan.read(ordered, again).shares
+    )
     if max_norm is not None:
         assert reduced.norm64 is not None
         check_finite(reduced.norm64, error_if_nonfinite)
@@ -239,7 +241,9 @@ def grad_norm_and_zeros(
     """:func:`grad_norm` and :func:`count_zeros` from one read of the grads, reduced together.
 
     One all-reduce per group for the 2-norm; with ``max_norm``, the grads are clipped from that norm
-    as :func:`clip_grad_norm_` does (no second read). No host sync.
+    as :func:`clip_grad_norm_` does (no second read, and no host sync for the 1-, 2- and inf-norm;
+    another ``p`` reads the norm on the host once, and the grads again where it needs the exact
+    path: :func:`~pgregistry.grad_stats._reductions.reduce_shares`).
 
     Args:
         params: a model, model chunks, a name -> parameter mapping, one tensor or an iterable of

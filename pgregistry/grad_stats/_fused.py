@@ -7,13 +7,16 @@ on an H200 (docs/measurements/grad_stats_h200.txt) ``get_total_norm`` over 20,00
 holding 2 GiB took 105 ms and a ``count_nonzero`` loop 500 ms (``_foreach_norm(ord=0)`` has no
 multi-tensor kernel either: one launch per tensor). The Triton kernel of
 :mod:`pgregistry.grad_stats._triton_kernels` reads every element once, in 16-byte vector loads
-wherever the data is 16-byte aligned, and writes per-block partials (float32 sums of ``BLOCK *
-ITERS`` squares at most and zero counts, as float64 pairs), summed here in float64 in one reduction:
-the count is exact. Separate tensors are read through a table of each program's first element and
-length, one launch per (device, dtype); the table depends only on the tensors' addresses and sizes,
-so it is built once (vectorised on the host, pinned, copied without a host sync) and kept on the
-device for as long as the grads keep their storage. The host work per call is then a few passes over
-the tensors at C speed (addresses, sizes), not Python work per tensor.
+wherever the data is 16-byte aligned, and writes per-block partials (float64 sums of ``BLOCK *
+ITERS`` squares at most, each element cast to float64 before it is squared, and zero counts, as
+float64 pairs), summed here in float64 in one reduction: the count is exact, and no square or sum
+over- or underflows (the 2-norm is exact with no host read:
+:attr:`~pgregistry.grad_stats._reductions.Wanted.exact_in_one_reduction`). Separate tensors are read
+through a table of each program's first element and length, one launch per (device, dtype); the
+table depends only on the tensors' addresses and sizes, so it is built once (vectorised on the host,
+pinned, copied without a host sync) and kept on the device for as long as the grads keep their
+storage. The host work per call is then a few passes over the tensors at C speed (addresses, sizes),
+not Python work per tensor.
 
 Optional by design: triton (shipped with torch's CUDA wheels) is imported inside a function, and
 :func:`can_run_fused_stats` is False off CUDA or without it; callers then keep their torch path (the

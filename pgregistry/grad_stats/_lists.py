@@ -4,8 +4,10 @@ reduction path (:mod:`pgregistry.grad_stats._reductions`) over lists of tensors 
 :mod:`pgregistry.grad_stats._local`.
 
 The reductions issue one all-reduce per distinct group, in an order every rank agrees on, and leave
-the result on the grads' device (no host sync), so optimizers and training loops can call them every
-step; see ``docs/design/grad_stats_api.md``.
+the result on the grads' device with no host sync, so optimizers and training loops can call them
+every step; only a norm other than the 1-, 2- and inf-norm reads its value on the host, whether it
+is exact (a device sync on CUDA; see :func:`~pgregistry.grad_stats._reductions.reduce_shares`). See
+``docs/design/grad_stats_api.md``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
     """The ``norm_type``-norm of already-filtered grads, each group's share summed over its group.
 
     One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order
-    every rank agrees on (by the group's ranks); ``None`` and single-rank groups issue none. No host
-    sync.
+    every rank agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Exact
+    where ``sum |g|^p`` leaves the float range: the 1-, 2- and inf-norm in the one reduction, with
+    no host sync; another ``p`` reads the norm on the host once and, only there, the grads twice
+    more (:func:`~pgregistry.grad_stats._reductions.reduce_shares`).
 
     Args:
         grads_by_group: reduction group -> the grads counted on this rank. Every rank of a group
@@ -59,7 +63,11 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
         grads = classify_grads(model.parameters(), groups)
         norm = norm_of_grads(grads)
     """
-    return reduce_shares(_shares_of_groups(grads_by_group, Wanted.of(norm_type, zeros=False))).norm
+
+    def read(wanted: Wanted) -> Shares:
+        return _shares_of_groups(grads_by_group, wanted)
+
+    return reduce_shares(read(Wanted.of(norm_type, zeros=False)), reread=read).norm
 
 
 def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:

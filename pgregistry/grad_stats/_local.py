@@ -10,8 +10,9 @@ Each (device, dtype) *kind* of a list is read by one route:
 * the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds
   each, which dominates for small grads), so small grads are concatenated (one dispatch; by trailing
   shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements in the
-  accumulation dtype (float32; float64 for float64 grads), each reduced for both statistics while it
-  is in the cache; a grad of more than :data:`HOST_SMALL` elements is read in place, over rows of
+  accumulation dtype (float64 for the 1- and 2-norm and for float64 grads, else float32:
+  :func:`~pgregistry.grad_stats._reductions.accumulates_in`), each reduced for both statistics while
+  it is in the cache; a grad of more than :data:`HOST_SMALL` elements is read in place, over rows of
   :data:`HOST_ROW` elements combined in float64 when it is longer than :data:`HOST_BLOCK` (one
   float32 reduction that long loses precision). The extra memory is one block, whatever the grads'
   size;
@@ -24,7 +25,9 @@ are scaled in place by the real coefficient.
 How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their
 values: :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls
 for as long as that layout stays the same. Shares accumulate in float64
-(:mod:`pgregistry.grad_stats._reductions`).
+(:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element (torch's norms
+take ``dtype=torch.float64``, the kernel squares in float64), a float64 grad's 2-norm by range
+(:func:`~pgregistry.grad_stats._reductions.ranged_squares`), so neither needs a host read.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ from pgregistry.grad_stats._reductions import (
     GroupKey,
     Shares,
     Wanted,
+    accumulates_in,
     make_part,
     makes_norm_float64,
+    ranged_squares,
 )
 
 __all__ = [
@@ -63,6 +68,7 @@ __all__ = [
     "read_kind",
     "row_norms",
     "scale_kind",
+    "scaled_share",
 ]
 
 HOST_BLOCK: Final = 1 << 18
@@ -100,11 +106,6 @@ def by_kind(
         return {}
     grouped = torch._C._group_tensors_by_device_and_dtype([list[torch.Tensor | None](grads)], False)
     return {kind: cast("list[torch.Tensor]", lists[0]) for kind, (lists, _) in grouped.items()}
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a kind's norms: float64 for float64 (and complex128) grads, else float32."""
-    return torch.float64 if makes_norm_float64(dtype) else torch.float32
 
 
 @attrs.frozen(slots=True)
@@ -190,6 +191,9 @@ def read_kind(
         plan.dtype.is_complex
     ):  # through the moduli (module docstring): the plan's blocks are by shape, theirs too
         tensors = [tensor.abs() for tensor in tensors]
+    if wanted.divisor is not None:  # the exact norm's second read: no zero count, no kernel
+        assert wanted.p is not None
+        return [make_part(scaled_share(tensors, wanted.p, wanted.divisor), None, device)]
     parts = []
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
     if plan.kernel and (
@@ -221,11 +225,14 @@ def _torch_part(
 ) -> torch.Tensor:
     """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms.
 
-    Float64: exact up to 2**53 elements; no mask the size of the grads."""
+    Float64: exact up to 2**53 elements; no mask the size of the grads. The 2-norm of float64 grads
+    by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
     share = zeros = None
     norm_over = _non_empty(norm_over)
-    if norm_over and wanted.p is not None:
-        accumulate_in = _accumulation_dtype(norm_over[0].dtype)
+    if norm_over and wanted.ranged and makes_norm_float64(norm_over[0].dtype):
+        share = ranged_squares(norm_over, HOST_BLOCK)
+    elif norm_over and wanted.p is not None:
+        accumulate_in = accumulates_in(norm_over[0].dtype, wanted.p)
         norms = torch.stack(torch._foreach_norm(norm_over, wanted.p, dtype=accumulate_in)).to(
             torch.float64
         )
@@ -249,8 +256,10 @@ def _host_part(
     """Both statistics of host ``tensors``, a block at a time (see the module docstring).
 
     The tensors of a block are concatenated into one (one dispatch, a block's memory); a tensor
-    alone in its block is read in place."""
-    accumulate_in = _accumulation_dtype(plan.dtype)
+    alone in its block is read in place. The 2-norm of float64 grads by range
+    (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
+    ranged = wanted.ranged and makes_norm_float64(plan.dtype)
+    accumulate_in = accumulates_in(plan.dtype, wanted.p)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
     numel = 0
@@ -265,7 +274,9 @@ def _host_part(
         numel += block.numel()
         if not block.numel():
             continue
-        if wanted.p is not None:
+        if ranged:
+            norms.append(ranged_squares([block], HOST_BLOCK))
+        elif wanted.p is not None:
             if block.numel() > HOST_BLOCK:  # a long reduction in float32 loses precision: by rows
                 rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
             else:  # one reduction (a reduction over rows costs a dispatch more than a block's read)
@@ -281,7 +292,7 @@ def _host_part(
     share = zeros = None
     if wanted.p is not None and norms:
         stacked = torch.stack(norms)
-        share = stacked.amax() if math.isinf(wanted.p) else stacked.sum()
+        share = stacked.amax() if math.isinf(wanted.p) else stacked.sum(0)
     if wanted.zeros:
         counted = (
             torch.stack(nonzeros).sum().to(torch.float64)
@@ -304,11 +315,22 @@ def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
     """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements.
 
-    Rows of ``tensor``, the last one shorter; a non-contiguous tensor's norm as one row."""
+    Rows of ``tensor``, the last one shorter; a non-contiguous tensor's norm as one row. Where
+    ``accumulate_in`` is not the tensor's dtype (float32 and bf16 grads' 1- and 2-norm in float64),
+    rows of :data:`HOST_FLAT` elements: torch reduces a cast copy, so each is copied alone (256 KiB
+    of float64, reused from the cache), where a whole tensor cast at once costs its size in float64
+    and page faults on every call (the 2-norm of 8M float32 elements on one thread: 30 ms cast
+    whole, 6 ms so; 1.9 ms accumulated in float32)."""
     cast = None if tensor.dtype == accumulate_in else accumulate_in
     if not tensor.is_contiguous():
         return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)
     flat = tensor.reshape(-1)
+    if (
+        cast is not None
+    ):  # torch casts a copy first: one of HOST_FLAT elements at a time, cache-sized
+        return torch.stack(
+            [torch.linalg.vector_norm(piece, p, dtype=cast) for piece in flat.split(HOST_FLAT)]
+        )
     rows = flat.numel() // HOST_ROW
     parts = []
     if rows:
@@ -320,6 +342,24 @@ def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> tor
     if rows * HOST_ROW < flat.numel():
         parts.append(torch.linalg.vector_norm(flat[rows * HOST_ROW :], p, dtype=cast).reshape(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def scaled_share(tensors: Sequence[torch.Tensor], p: float, divisor: torch.Tensor) -> torch.Tensor:
+    """``sum (|x| / divisor)^p`` over ``tensors`` (real), 0-dim float64 on ``divisor``'s device.
+
+    The exact norm's second read (:func:`~pgregistry.grad_stats._reductions.reduce_shares`), where
+    ``divisor`` is the largest ``|x|`` of every grad: each quotient is at most 1, so no power
+    overflows, and one is 1, so the powers that underflow (below 2**-1074 each) are lost beside a
+    sum of at least 1. Computed in float64 whatever the grads' dtype, :data:`HOST_BLOCK` elements
+    at a time (a float64 copy of one block; a non-contiguous tensor is copied whole first): a rare
+    path, read by torch only."""
+    total = torch.zeros((), dtype=torch.float64, device=divisor.device)
+    for tensor in tensors:
+        on_device = divisor.to(tensor.device)
+        for block in tensor.reshape(-1).split(HOST_BLOCK):
+            share = block.to(torch.float64, copy=True).div_(on_device).abs_().pow_(p).sum()
+            total += share.to(total.device)
+    return total
 
 
 def _kind_parts(

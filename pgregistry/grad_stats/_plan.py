@@ -369,7 +369,8 @@ class Plan:
             for kind in kinds:
                 for part in read_kind(kind.take(pieces), kind.plan, wanted, device):
                     _add_part(shares, target, part, layout.fields, self.reduce_groups)
-        watch = wanted.p is not None  # the verdict on a norm covers the grads not counted here too
+        # The verdict on a norm covers the grads not counted here too; the scaled read follows it.
+        watch = wanted.p is not None and wanted.divisor is None
         norm_only = Wanted(wanted.p, zeros=False)
         for target, kinds in layout.watched_kinds if watch else ():
             for kind in kinds:

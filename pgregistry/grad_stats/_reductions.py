@@ -17,7 +17,12 @@ every collective of a call in the one agreed order and combines:
 3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the
    collection's ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every
    rank clips, skips or raises alike. One 2-element all-reduce, none when a reduction group of step
-   2 already spans those ranks (the flags then ride in its row).
+   2 already spans those ranks (the flags then ride in its row);
+4. only for a ``p`` other than 1, 2 and inf (those are exact in steps 1-3:
+   :attr:`Wanted.exact_in_one_reduction`), where the norm of steps 1-3 cannot be trusted (``sum
+   |g|^p`` overflowed or underflowed the float range; a ``p`` beyond 2**126) and the caller can read
+   the grads again: the inf-norm ``m`` over the same groups, then the shares again divided by ``m``,
+   reduced as above (:func:`reduce_shares`): the norm ``m * (sum (|g| / m)^p)^(1/p)``, exact.
 
 A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes
 first), so the inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP,
@@ -25,10 +30,14 @@ expert TP and GTP duplicates, ``shared`` copies) are read too, into *seen* parts
 (:func:`nonfinite_part`: their NaN or inf, nothing else) under the group their counted copy is
 summed over: whether the norm is finite is decided over every grad of every rank, in the rows that
 already travel, while each element is still counted once. Shares accumulate in float64 whatever the
-grads' dtype (float64 grads of 3e30 have a finite norm), and nothing waits on the device: results
-are 0-dim tensors on the reduction device, the norm returned in float64 where this rank holds a
-float64 (or complex128) grad, float32 otherwise (:attr:`Reduced.norm`). A call issues a few small
-operations whatever the number of grads.
+grads' dtype (float64 grads of 3e30 have a finite norm); the 1- and 2-norm from the first element
+(:func:`accumulates_in`), a float64 grad's squares by range in two more columns of the 2-norm's
+rows (:func:`ranged_squares`), so the 1-, 2- and inf-norm wait on nothing: no host read, as torch's
+``clip_grad_norm_``. Another ``p`` reads its norm on the host once, whether it is exact
+(:func:`reduce_shares`, which makes it so where ``sum |g|^p`` over- or underflowed). Results are
+0-dim tensors on the reduction device, the norm returned in
+float64 where this rank holds a float64 (or complex128) grad, float32 otherwise
+(:attr:`Reduced.norm`). A call issues a few small operations whatever the number of grads.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ __all__ = [
     "GradsByGroup",
     "GroupKey",
     "Reduced",
+    "Reread",
     "Shares",
     "Wanted",
     "check_max_norm",
@@ -79,13 +89,34 @@ V = TypeVar("V")
 _NORM, _ZEROS = range(2)
 """A part's columns: the norm's share and the zero count."""
 
+_LARGE, _SMALL = range(2, 4)
+"""A 2-norm row's further columns: the squares of the float64 grads beyond the middle range, scaled
+into it (:func:`ranged_squares`); the norm column then holds the squares of every other grad."""
+
+_RANGED_WIDTH: Final = 4
+"""A 2-norm row's width: the norm column, the zero count, the large and the small column."""
+
+_RANGE_EDGE: Final = 2.0**256
+"""Where :func:`ranged_squares` puts a float64 ``|g|``: at least this, the large column; below its
+reciprocal, the small one; else the norm column (squares within ``[2**-512, 2**512)``)."""
+
+_RANGE_SCALE: Final = 2.0**600
+"""What the large column's ``|g|`` are divided by and the small column's multiplied by, exactly (a
+power of two): every scaled square lies within ``[2**-948, 2**848]``, so neither column's sum
+over- or underflows."""
+
 
 @attrs.frozen(slots=True)
 class Wanted:
-    """What one call computes: the ``p``-norm (``None``: no norm) and whether the zero count."""
+    """What one call computes: the ``p``-norm (``None``: no norm) and whether the zero count.
+
+    ``divisor`` (0-dim float64, the largest ``|g|`` of the grads read) asks the readers for ``sum
+    (|g| / divisor)^p`` instead, in float64: the exact norm's second read (:func:`reduce_shares`),
+    never the kernel's."""
 
     p: float | None
     zeros: bool
+    divisor: torch.Tensor | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def of(cls, norm_type: float, zeros: bool) -> Wanted:
@@ -104,6 +135,24 @@ class Wanted:
     def infinite(self) -> bool:
         return self.p is not None and math.isinf(self.p)
 
+    @property
+    def ranged(self) -> bool:
+        """Whether this is the 2-norm, whose rows carry the squares by range
+        (:func:`ranged_squares`)."""
+        return self.p == 2.0
+
+    @property
+    def exact_in_one_reduction(self) -> bool:
+        """Whether the one reduction gives this norm exactly, for grads of any dtype (no host read).
+
+        The inf-norm is a maximum. The 1- and 2-norm accumulate ``|g|`` and ``g * g`` in float64
+        from the start (:func:`accumulates_in`): a float32, bf16 or fp16 value's square lies within
+        ``[2**-298, 2**256]``, a normal float64, and a sum of up to ``2**60`` of them cannot leave
+        float64's range; a float64 grad's squares go by range (:func:`ranged_squares`); a sum of
+        ``|g|`` is only infinite where the norm is beyond float64. Every other ``p`` (and ``p`` >
+        2**126) may need :func:`reduce_shares`' exact norm."""
+        return self.p is not None and (self.infinite or self.p in (1.0, 2.0))
+
 
 def nonfinite_part(part: torch.Tensor) -> torch.Tensor:
     """The part a read of grads this rank does not count adds: their NaN or inf.
@@ -119,13 +168,62 @@ def makes_norm_float64(dtype: torch.dtype) -> bool:
     return dtype in (torch.float64, torch.complex128)
 
 
+def accumulates_in(dtype: torch.dtype, p: float | None) -> torch.dtype:
+    """The dtype a ``p``-norm of ``dtype`` grads accumulates ``|g|^p`` in, from the first element.
+
+    Float64 for float64 (complex128) grads and, whatever the grads' dtype, for the 1- and 2-norm
+    (:attr:`Wanted.exact_in_one_reduction`); float32 otherwise (other ``p`` may over- or underflow
+    there: :func:`reduce_shares` makes them exact; ``None``, a zero count alone, needs no more)."""
+    return torch.float64 if makes_norm_float64(dtype) or p in (1.0, 2.0) else torch.float32
+
+
+def ranged_squares(tensors: Iterable[torch.Tensor], block: int) -> torch.Tensor:
+    """The squares of real float64 ``tensors`` by range: ``[middle, large, small]``, float64.
+
+    A float64 square leaves float64's range (beyond ``|g|`` of 1.3e154, below 1.5e-154 it loses
+    bits), so each ``|g|`` goes by range (:data:`_RANGE_EDGE`): the middle range squared as it is,
+    the large ones divided by :data:`_RANGE_SCALE` first, the small ones multiplied by it: powers
+    of two, exact. The three sums travel as columns of the row (:func:`reduce_shares`) and are
+    combined after the reduction (:func:`_ranged_two_norm`): the 2-norm of float64 grads is exact
+    with no host read and no second pass, on every rank alike. A NaN lands in the middle column, an
+    inf in the large one. ``block`` elements at a time (a few temporaries of a block each): float64
+    grads only, a few passes over them. :func:`make_part` makes it a part."""
+    columns = []
+    for tensor in tensors:
+        for piece in tensor.reshape(-1).split(block):
+            size = piece.abs()
+            large = size >= _RANGE_EDGE
+            small = size < 1.0 / _RANGE_EDGE
+            middle = torch.where(large | small, 0.0, size)
+            columns.append(
+                torch.stack(
+                    [
+                        torch.linalg.vector_norm(middle).square(),
+                        torch.linalg.vector_norm(
+                            torch.where(large, size, 0.0) / _RANGE_SCALE
+                        ).square(),
+                        torch.linalg.vector_norm(
+                            torch.where(small, size, 0.0) * _RANGE_SCALE
+                        ).square(),
+                    ]
+                )
+            )
+    if not columns:
+        return _float64_zeros(3, torch.device("cpu"))
+    return torch.stack(columns).sum(0) if len(columns) > 1 else columns[0]
+
+
 def make_part(
     norm_share: torch.Tensor | None, zeros: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
     """A part from a norm share and a zero count (0-dim tensors, either absent).
 
-    The norm share is ``sum |g|^p``, or ``max |g|``.
+    The norm share is ``sum |g|^p``, or ``max |g|``, or the 2-norm's squares by range (a vector,
+    :func:`ranged_squares`: the part is then a 2-norm row's four columns).
     """
+    if norm_share is not None and norm_share.dim():  # by range: [middle, zeros, large, small]
+        count = norm_share.new_zeros(()) if zeros is None else zeros.to(norm_share)
+        return torch.cat([norm_share[:1], count.reshape(1), norm_share[1:]]).to(device)
     if norm_share is None or zeros is None:
         present = norm_share if norm_share is not None else zeros
         if present is None:
@@ -231,13 +329,86 @@ class Reduced:
         return torch.where(torch.isinf(self.norm64), self.norm64, finite).to(torch.float32)
 
 
-def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()) -> Reduced:
+Reread = Callable[[Wanted], Shares]
+"""Reads the grads of a call again, into fresh shares of another :class:`Wanted`, under the same
+groups: what :func:`reduce_shares` needs for an exact norm."""
+
+
+def reduce_shares(
+    shares: Shares,
+    *,
+    verdict: Sequence[ProcessGroup | None] = (),
+    reread: Reread | None = None,
+) -> Reduced:
     """Reduce ``shares`` (see the module docstring; they are consumed) into the global statistics.
 
     ``verdict``: the groups that together span every rank holding grads (``intra_dist_opt``, then
     ``inter_dist_opt``); when given, a NaN or inf seen on any of those ranks makes the norm NaN or
     inf on all of them. Without it, only the ranks of a rank's own reduction groups contribute.
+
+    ``reread``: given, a ``p``-norm the one reduction cannot be trusted with (:func:`_untrusted`:
+    ``sum |g|^p`` overflowed or underflowed, or ``p`` beyond 2**126) is made exact from two reads
+    more (:func:`_exact_norm`). The 1-, 2- and inf-norm never need it
+    (:attr:`Wanted.exact_in_one_reduction`): nothing is read on the host for them, decided from
+    ``p`` alone, the same on every rank (a rank's dtypes are not: a float64 stage beside a float32
+    one). Another ``p`` reads the reduced norm on the host (a device sync on CUDA): every rank of
+    the reduction groups holds the same norm, so every rank takes the same branch.
     """
+    reduced = _reduce_once(shares, verdict)
+    p = shares.wanted.p
+    if reread is None or p is None or shares.wanted.exact_in_one_reduction:
+        return reduced
+    assert reduced.norm64 is not None
+    if not _untrusted(reduced.norm64, p):
+        return reduced
+    return _exact_norm(reduced, p, reread, verdict)
+
+
+_SMALLEST_TRUSTED_SHARE: Final = torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
+"""2**-103: a ``sum |g|^p`` below it may have lost its bits (float32 powers below 2**-126 are
+subnormal, with fewer bits than float32's 24, or 0), or be 0 while a grad is not."""
+
+_LARGEST_TRUSTED_P: Final = 1.0 / torch.finfo(torch.float32).tiny
+"""2**126: beyond it ``1/p`` is no normal float32, and torch raises a float32 tensor's ``sum |g|^p``
+to it in float32 (0 for ``p`` of 1e300: every tensor's norm is then ``x^0 = 1``)."""
+
+
+def _untrusted(norm64: torch.Tensor, p: float) -> bool:
+    """Whether the one reduction's finite-grad ``norm64`` may be wrong (reads it on the host).
+
+    Its ``sum |g|^p`` is infinite (an overflow, or an infinite grad: :func:`_exact_norm` tells them
+    apart) or below :data:`_SMALLEST_TRUSTED_SHARE` (0 too: an underflow, or every grad zero); or
+    ``p`` is beyond :data:`_LARGEST_TRUSTED_P`. A NaN is a NaN grad's verdict: kept."""
+    norm = float(norm64)  # the one host read
+    if math.isnan(norm):
+        return False
+    return p > _LARGEST_TRUSTED_P or math.isinf(norm) or norm < _SMALLEST_TRUSTED_SHARE ** (1.0 / p)
+
+
+def _exact_norm(
+    reduced: Reduced, p: float, reread: Reread, verdict: Sequence[ProcessGroup | None]
+) -> Reduced:
+    """``reduced`` with the norm ``m * (sum (|g| / m)^p)^(1/p)``, ``m`` the largest ``|g|``.
+
+    ``m`` is the inf-norm, read and reduced over the same groups and ``verdict`` as the norm: a NaN
+    or infinite ``m`` (a grad that is) keeps ``reduced``'s verdict, a 0 (every grad zero) is the
+    norm. Otherwise every share is read again divided by ``m`` in float64 (at least one is 1,
+    none above: ``sum`` lies in ``[1, numel]``, neither overflows nor underflows) and reduced once
+    more. Every rank of the groups holds the same ``m``: all take the same branch."""
+    peak = _reduce_once(reread(Wanted(math.inf, zeros=False)), verdict).norm64
+    assert peak is not None
+    finite, positive = torch.stack([peak.isfinite(), peak > 0]).tolist()
+    if not finite:
+        return reduced
+    if not positive:
+        return attrs.evolve(reduced, norm64=peak)
+    scaled = _reduce_once(reread(Wanted(p, zeros=False, divisor=peak)), ()).norm64
+    assert scaled is not None
+    return attrs.evolve(reduced, norm64=peak * scaled)
+
+
+def _reduce_once(shares: Shares, verdict: Sequence[ProcessGroup | None]) -> Reduced:
+    """:func:`reduce_shares`' one reduction: the collectives of the module docstring."""
     wanted, device = shares.wanted, shares.device
     for field in sorted(shares.first, key=FIELD_NAMES.index):
         first = shares.first[field]
@@ -269,6 +440,11 @@ def reduce_shares(shares: Shares, *, verdict: Sequence[ProcessGroup | None] = ()
             else _float64_zeros(1, device)
         )
         norm = peaks.amax()
+    elif wanted.ranged:
+        totals = list(reduced.values())
+        norm = _ranged_two_norm(
+            *(_column_total(totals, column, device) for column in (_NORM, _LARGE, _SMALL))
+        )
     else:
         norm = _column_total(list(reduced.values()), _NORM, device).pow(1.0 / wanted.p)
     flags = []  # each [NaN, inf] (counts, never negative: set where positive)
@@ -310,6 +486,25 @@ def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.devic
     return torch.stack([row[column] for row in rows]).sum() if rows else _float64_zeros((), device)
 
 
+def _ranged_two_norm(
+    middle: torch.Tensor, large: torch.Tensor, small: torch.Tensor
+) -> torch.Tensor:
+    """The 2-norm from the columns of :func:`ranged_squares` summed over every rank (0-dim float64).
+
+    With a large square, ``sqrt(large + middle / S**2) * S`` (``S``: :data:`_RANGE_SCALE`; a small
+    square is below a 2**-1024th of a large one: left out); else, with a middle one, ``sqrt(middle +
+    small / S**2)``; else ``sqrt(small) / S``. Each quotient is a normal float64 or negligible
+    beside the column it joins. A NaN or inf in a column (a grad that is one) is the norm."""
+    square = _RANGE_SCALE * _RANGE_SCALE
+    exact = torch.where(
+        large > 0,
+        torch.sqrt(large + middle / square) * _RANGE_SCALE,
+        torch.where(middle > 0, torch.sqrt(middle + small / square), small.sqrt() / _RANGE_SCALE),
+    )
+    every = middle + large + small
+    return torch.where(every.isfinite(), exact, every)
+
+
 def _nonfinite_flags(value: torch.Tensor) -> torch.Tensor:
     """``[NaN, inf]`` flags (1 or 0, float64) of a 0-dim tensor."""
     return torch.stack([value.isnan(), value.isinf()]).to(torch.float64)
@@ -322,7 +517,10 @@ def _local_nonfinite_flags(
     if not rows:
         return _float64_zeros(2, device)
     stacked = torch.stack(list(rows.values()))
-    seen = _nonfinite_flags(stacked[:, _NORM].sum())
+    shares = stacked[:, _NORM].sum()
+    if wanted.ranged:  # slices, not a list index (a host-to-device copy of the index on CUDA)
+        shares = shares + stacked[:, _LARGE:].sum()
+    seen = _nonfinite_flags(shares)
     if wanted.infinite:
         seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))
     return seen
@@ -353,9 +551,11 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
     For the inf-norm ``[max, zeros, NaN seen]``, the NaN carried by the flag (a MAX reduction may
     drop it) and counting as 0 in the maximum."""
     if not wanted.infinite:
+        width = _RANGED_WIDTH if wanted.ranged else 2
         if not parts:
-            return _float64_zeros(2, device)
-        return parts[0] if len(parts) == 1 else torch.stack(list(parts)).sum(0)
+            return _float64_zeros(width, device)
+        widened = [_widened(part, width) for part in parts]
+        return widened[0] if len(widened) == 1 else torch.stack(widened).sum(0)
     if not parts:
         return _float64_zeros(3, device)
     rows = torch.stack(list(parts))
@@ -364,6 +564,14 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
     return torch.stack(
         [torch.where(nan, 0.0, share).amax(), rows[:, _ZEROS].sum(), nan.any().to(torch.float64)]
     )
+
+
+def _widened(part: torch.Tensor, width: int) -> torch.Tensor:
+    """``part`` with zero columns appended up to ``width``: a 2-norm part of grads that need no
+    range (:func:`ranged_squares`) as a row of the 2-norm."""
+    if part.shape[0] == width:
+        return part
+    return torch.nn.functional.pad(part, (0, width - part.shape[0]))
 
 
 def _reduce_rows(

@@ -3,9 +3,12 @@
 after checking that triton is importable).
 
 Each program reads at most ``BLOCK * ITERS`` consecutive elements and writes one float64 pair: the
-sum of their squares (float32: at most ``ITERS`` additions per lane, then a tree over the block) and
-the number of exact zeros (``x == 0``: ``-0.0`` counts, NaN does not, as ``count_nonzero``; exact in
-float64). The caller sums the pairs in float64, one reduction for both statistics.
+sum of their squares (each element cast to float64 before it is squared, at most ``ITERS`` additions
+per lane, then a tree over the block: a float32, bf16 or fp16 square lies within ``[2**-298,
+2**256]``, so no square or sum over- or underflows and the norm needs no second look; the float64
+arithmetic is meant to hide behind a memory-bound read: ``benchmarks/grad_stats.py``) and the number
+of exact zeros (``x == 0``: ``-0.0`` counts, NaN does not, as ``count_nonzero``; exact in float64).
+The caller sums the pairs in float64, one reduction for both statistics.
 
 Loads are 16-byte vectors wherever the compiler can prove it: a program whose first element is a
 multiple of ``VEC`` elements (16 bytes) from a 16-byte aligned ``x_ptr`` reads its elements up to
@@ -76,18 +79,18 @@ def _program_extent(
 
 @triton.jit
 def _sum_squares_and_zeros(first, count, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: N803
-    """The float32 sum of squares and the int32 zero count of ``count`` elements from ``first``.
+    """The float64 sum of squares and the int32 zero count of ``count`` elements from ``first``.
 
     ``count`` is at most ``BLOCK * ITERS``: ``ITERS`` loads of ``BLOCK`` lanes, then a tree over the
     lanes."""
     lanes = tl.arange(0, BLOCK)
-    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    squares = tl.zeros([BLOCK], dtype=tl.float64)
     zeros = tl.zeros([BLOCK], dtype=tl.int32)
     for i in tl.static_range(ITERS):
         offsets = i * BLOCK + lanes
         inside = offsets < count
         x = tl.load(first + offsets, mask=inside, other=0.0, eviction_policy="evict_first").to(
-            tl.float32
+            tl.float64
         )
         squares += x * x
         zeros += ((x == 0.0) & inside).to(tl.int32)

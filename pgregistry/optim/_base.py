@@ -104,10 +104,12 @@ class OptimizerStatistics(abc.ABC):
         return statistics_of(self.stats_optimizers(), wanted)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model the optimizer covers (0-dim, no host sync).
+        """The global grad norm of the model the optimizer covers (0-dim).
 
         Float64 for a float64 grad buffer, else float32; NaN or infinite when any grad is,
-        duplicates included."""
+        duplicates included. Exact where ``sum |g|^p`` leaves the float range; no host sync for the
+        1-, 2- and inf-norm, one host read of the norm for another ``p``
+        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -447,10 +449,14 @@ def statistics_of(
     """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once.
 
     ``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`."""
-    shares = Shares(wanted, optimizers[0].buffer.data.device)
-    for optimizer in optimizers:
-        optimizer.local_shares(shares)
-    return reduce_shares(shares, verdict=verdict)
+
+    def read(wanted: Wanted) -> Shares:
+        shares = Shares(wanted, optimizers[0].buffer.data.device)
+        for optimizer in optimizers:
+            optimizer.local_shares(shares)
+        return shares
+
+    return reduce_shares(read(wanted), verdict=verdict, reread=read)
 
 
 def clip_grads_of(

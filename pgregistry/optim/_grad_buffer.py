@@ -19,8 +19,11 @@ the parameter count:
   group, in the one agreed order; an uncounted span is read into a seen part
   (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`: its NaN or inf only) under its group,
   so a NaN in a duplicate makes the norm NaN wherever its counted copy's would;
-* on CUDA the local norm is one ``vector_norm`` per span, a reduction that allocates only its output
-  (a bf16/fp16 span is cast inside the kernel when the output is float32);
+* on CUDA the local norm is one ``torch._foreach_norm`` per span, a reduction that allocates only
+  its output: each element is cast as it is read (to float64 for the 1- and 2-norm, so no ``|g|``
+  or square over- or underflows, :func:`~pgregistry.grad_stats._reductions.accumulates_in`), where
+  ``vector_norm(..., dtype=torch.float64)`` would first cast a copy of the whole span; a float64
+  span's 2-norm goes by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`);
 * on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0``
   (a byte per element), so a span is viewed as rows of at most 2**24 elements and reduced with
   ``vector_norm(ord=0)``, whose float32 count is exact per row (every partial sum is an integer
@@ -29,7 +32,8 @@ the parameter count:
   relative error of 1.7e-4 measured over 8M elements), casts of bf16 are copies, and
   ``count_nonzero`` branches per element (3x slower than a mask on random zeros). There both
   statistics walk blocks of :data:`HOST_BLOCK` elements: the norm reduces rows of :data:`HOST_ROW`
-  elements in float32 and accumulates them in float64, the zero count compares into one reused mask.
+  elements (in float32, in float64 for the 1- and 2-norm) and accumulates them in float64, the zero
+  count compares into one reused mask.
   The extra memory stays bounded by a block, whatever the buffer's size.
 
 :func:`span_shares` accepts arbitrary spans over :attr:`GradBuffer.data`, which is how a sharded
@@ -58,13 +62,15 @@ from pgregistry.grad_stats._fused import (
     is_kernel_readable,
     span_squares_and_zeros,
 )
-from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms
+from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms, scaled_share
 from pgregistry.grad_stats._reductions import (
     Reduced,
     Shares,
     Wanted,
+    accumulates_in,
     make_part,
     nonfinite_part,
+    ranged_squares,
     reduce_shares,
 )
 
@@ -234,16 +240,22 @@ class GradBuffer:
         span_shares(self.data, self.spans, shares)
 
     def statistics(self, wanted: Wanted) -> Reduced:
-        """The counted grads' statistics, each span's part reduced over its group (no sync)."""
+        """The counted grads' statistics, each span's part reduced over its group.
+
+        No host sync for the 1-, 2- and inf-norm; another ``p`` reads whether its norm is exact
+        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+        return reduce_shares(self._shares(wanted), reread=self._shares)
+
+    def _shares(self, wanted: Wanted) -> Shares:
         shares = Shares(wanted, self.data.device, (span.group for span in self.spans))
         self.local_shares(shares)
-        return reduce_shares(shares)
+        return shares
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the counted grads, reduced over each span's group.
 
-        0-dim, float64 for a float64 buffer, else float32; no host sync. NaN or infinite when any
-        grad is, uncounted ones too."""
+        0-dim, float64 for a float64 buffer, else float32; a host read for a ``p`` other than 1, 2
+        and inf only (:meth:`statistics`). NaN or infinite when any grad is, uncounted ones too."""
         return self.statistics(Wanted.of(norm_type, zeros=False)).norm
 
     def count_zeros(self) -> torch.Tensor:
@@ -279,15 +291,16 @@ def span_shares(
     if one_read is None:
         one_read = (
             wanted.p in (2.0, None)
+            and wanted.divisor is None
             and is_kernel_readable(data)
             and can_run_fused_stats(data.device)
         )
-    if one_read and wanted.p not in (2.0, None):
-        raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm")
+    if one_read and (wanted.p not in (2.0, None) or wanted.divisor is not None):
+        raise ValueError(f"one read computes the 2-norm only, not the {wanted.p}-norm or scaled")
     shares.widen(data.dtype)
     for span in spans:
-        if not span.counted and wanted.p is None:
-            continue
+        if not span.counted and (wanted.p is None or wanted.divisor is not None):
+            continue  # a seen part is for the verdict, which the scaled read follows
         view = data[span.start : span.stop]
         share: torch.Tensor | None
         zeros: torch.Tensor | None
@@ -296,7 +309,7 @@ def span_shares(
             squares, zeros = span_squares_and_zeros(view)
             share = squares if wanted.p is not None else None
         else:
-            share = _norm_share(view, wanted.p) if wanted.p is not None else None
+            share = _norm_share(view, wanted) if wanted.p is not None else None
             zeros = span.numel - _count_nonzero(view) if count else None
         part = make_part(share, zeros if count else None, shares.device)
         shares.add(span.group, part if span.counted else nonfinite_part(part))
@@ -307,18 +320,25 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _norm_share(view: torch.Tensor, p: float) -> torch.Tensor:
+def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
     """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64.
 
-    See the module docstring."""
+    See the module docstring; with ``wanted.divisor``, :func:`scaled_share`'s; a float64 view's
+    2-norm by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
+    p = wanted.p
+    assert p is not None
+    if wanted.divisor is not None:
+        return scaled_share([view], p, wanted.divisor)
+    if wanted.ranged and view.dtype == torch.float64:
+        return ranged_squares([view], HOST_BLOCK)
     infinite = math.isinf(p)
-    if view.device.type == "cuda":
-        norm = torch.linalg.vector_norm(view, p, dtype=_float_dtype(view.dtype)).to(torch.float64)
-        return norm if infinite else norm.pow(p)
-    acc = _float_dtype(view.dtype)
+    acc = accumulates_in(view.dtype, p)
+    if view.device.type == "cuda":  # torch's multi-tensor norm casts each element as it reads it
+        (norm,) = torch._foreach_norm([view], p, dtype=acc)
+        return norm.to(torch.float64) if infinite else norm.to(torch.float64).pow(p)
     total = torch.zeros((), dtype=torch.float64, device=view.device)
     for block in view.split(HOST_BLOCK):
-        rows = row_norms(block.to(acc), p, acc).to(torch.float64)
+        rows = row_norms(block, p, acc).to(torch.float64)
         total = torch.maximum(total, rows.max()) if infinite else total + rows.pow(p).sum()
     return total
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
 from pgregistry.grad_stats import _fused as fused_stats
 from pgregistry.grad_stats import _local as local
+from pgregistry.grad_stats import _reductions as reductions
 from pgregistry.grad_stats import (
     clip_grad_norm_,
     grad_norm,
@@ -115,6 +117,18 @@ def _in_interpreter() -> dict[str, Any]:
     # float64 as the kernel's caller claims (the share was cast to float32 before, an infinite norm).
     huge = [torch.full((256,), 1e18 * sign) for sign in (1, -1, 1, -1)]
     large = float(norm_of_grads({None: huge}))
+    # Squares beyond float32's range (1e20: 1e40 each) and below it (1e-25: 1e-50), float32 and bf16, through the
+    # kernel: summed in its float64 lanes, exact in the one reduction, with the host read refused.
+    with (
+        mock.patch.object(reductions, "_untrusted", side_effect=AssertionError("a host read")),
+        mock.patch.object(fused_stats, "read_over", side_effect=real) as beyond_read,
+    ):
+        beyond = {
+            (str(dtype), size): float(norm_of_grads({None: [torch.full((300,), size, dtype=dtype)]}))
+            for dtype in (torch.float32, torch.bfloat16)
+            for size in (1e20, 1e-25)
+        }
+    beyond_reads = beyond_read.call_count
     # A model through the kept classification, read by the kernel and clipped by it: twice (the second call from the
     # kept plan and launch tables), then clipped below its norm.
     launches: list[str] = []
@@ -163,6 +177,7 @@ def _in_interpreter() -> dict[str, Any]:
         "buffer": (one_read.by_group, two_reads.by_group),
         "list": list_path,
         "large": large,
+        "beyond": (beyond, beyond_reads),
         "scaled": _scaled(),
         "clipped": _clipped_from_norms(),
         "model": (through_model, returned, clipped, launches),
@@ -348,6 +363,16 @@ def test_float32_squares_are_summed_in_float64(interpreted: dict[str, Any]) -> N
     float32 (the norm does)."""
     want = math.sqrt(1024 * 1e36)
     assert interpreted["large"] == pytest.approx(want, rel=1e-6)
+
+
+def test_squares_beyond_float32s_range_are_exact_in_the_kernels_float64_lanes(interpreted: dict[str, Any]) -> None:
+    """Before, each lane summed float32 squares: grads of 1e20 gave an infinite norm, of 1e-25 a norm of 0 (each
+    rescued by a host read and two more reads). Now each element is cast to float64 before it is squared."""
+    beyond, reads = interpreted["beyond"]
+    assert reads == 4  # every one through the kernel
+    for (dtype, size), norm in beyond.items():
+        value = float(torch.tensor(size, dtype=getattr(torch, dtype.removeprefix("torch."))).double())
+        assert norm == pytest.approx(value * math.sqrt(300), rel=1e-6), (dtype, size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

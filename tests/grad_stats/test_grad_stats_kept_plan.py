@@ -147,6 +147,9 @@ def test_changed_grads_are_seen() -> None:
     model.double()
     assert model.b.weight.grad.dtype == torch.float64
     _check(model, _grads(model), "every grad converted to float64 in place")
+    # A stale plan would still say float32: the host reads the grads as they are (and the 2-norm accumulates in
+    # float64 whatever their dtype), so the norm's dtype is what shows it.
+    assert grad_norm(model, OFF).dtype == torch.float64
     for param in model.parameters():
         param.grad = None
     _check(model, [], "no grads at all")
