@@ -1254,6 +1254,37 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_virtual_stages.py::test_the_release_form_is_checked_on_the_trees_parallel_state",
                "tests/migrate/test_migrate_virtual_stages.py::test_the_tool_reads_the_form_of_the_trees_own_release"),
     ),
+    Mutant(
+        name="frozen-parameter-stepped",
+        bug="a parameter with requires_grad=False given to a flat optimizer is stepped with the rest of its buffer: "
+        "AdamW's weight decay moves it, where torch's optimizers skip it (no grad)",
+        file="pgregistry/optim/_base.py",
+        find="            if not param.requires_grad:\n",
+        replace="            if False:\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::test_a_frozen_parameter_is_refused_naming_it_not_decayed",),
+    ),
+    Mutant(
+        name="float64-rounded-by-float32-main-copies",
+        bug="float32 main copies of a float64 parameter: the optimizer rounds the model's value to float32",
+        file="pgregistry/optim/_base.py",
+        find="            if torch.promote_types(param.dtype, main_dtype) != main_dtype:\n",
+        replace="            if False:\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_float64_parameters_under_float32_main_copies_are_refused_not_rounded",),
+    ),
+    Mutant(
+        name="nan-or-inf-learning-rate-accepted",
+        bug="an optimizer's numbers checked as torch's SGD checks them (lr < 0 refused): an lr, weight decay or "
+        "momentum of NaN, or an infinite one, turns every parameter into NaN at the first step",
+        file="pgregistry/optim/_options.py",
+        find="if number >= 0 and math.isfinite(number)",
+        replace="if not number < 0",
+        tests=tuple(
+            f"tests/optim/test_optim_hostile_inputs.py::test_a_bad_option_is_refused_naming_it_before_anything_is_built"
+            f"[{case}]"
+            for case in ("lr-nan", "lr-inf", "weight-decay-nan", "momentum-nan")
+        ),
+    ),
 )
 
 

@@ -156,7 +156,8 @@ class FlatOptimizer(OptimizerStatistics):
 
     Raises:
         ValueError: A parameter listed twice; a parameter of the other kind than ``expert`` says
-            (named; give each kind its own optimizer, as ``build_optimizer`` does).
+            (named; give each kind its own optimizer, as ``build_optimizer`` does); a frozen one
+            (``requires_grad=False``, named); parameters on several devices.
         TypeError: A parameter that is not a floating-point tensor (named), or groups not made by
             ``setup_process_groups_for_optimizer``.
     """
@@ -179,6 +180,14 @@ class FlatOptimizer(OptimizerStatistics):
         for param in self.params:
             if not isinstance(param, torch.Tensor) or not param.is_floating_point():
                 raise TypeError(f"{self.param_name(param)} is not a floating-point tensor")
+            if not param.requires_grad:
+                # torch's optimizers skip a parameter whose .grad is None; a flat step updates
+                # every element of its buffer, so weight decay or momentum would move it.
+                raise ValueError(
+                    f"{self.param_name(param)} has requires_grad=False: this optimizer steps every "
+                    "parameter it is given (weight decay and momentum would change a frozen one); "
+                    "give it the trainable parameters only (build_optimizer does)"
+                )
             if is_expert_param(param) != expert:
                 kind = "a routed-expert" if is_expert_param(param) else "a dense"
                 raise ValueError(
@@ -186,6 +195,13 @@ class FlatOptimizer(OptimizerStatistics):
                     f"optimizer was built with expert={expert}; give dense and "
                     "expert parameters to separate optimizers (build_optimizer does)"
                 )
+        devices = {param.device for param in self.params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"the parameters lie on {len(devices)} devices ({sorted(map(str, devices))}), "
+                "and an optimizer's flat buffers on one: move the model to one device first, or "
+                "give each device's parameters their own optimizer"
+            )
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(
                 f"{type(self).__name__} takes the groups "
@@ -264,6 +280,20 @@ class FlatOptimizer(OptimizerStatistics):
                     "it (replaced after the optimizer was built, e.g. by module.to() or "
                     "param.data = ...); the optimizer would update its buffer, not the "
                     "parameter: build the optimizer after moving the model"
+                )
+
+    def _check_main_dtype(self, main_dtype: torch.dtype) -> None:
+        """Refuse main copies of ``main_dtype`` that would round a parameter.
+
+        A float64 parameter under float32 main copies (``build_optimizer``'s default mixed
+        precision) would be stepped, and written back, as float32: its value rounded, silently."""
+        for param in self.params:
+            if torch.promote_types(param.dtype, main_dtype) != main_dtype:
+                raise ValueError(
+                    f"{self.param_name(param)} is {param.dtype}, which main copies of "
+                    f"{main_dtype} would round: give a main_dtype that holds {param.dtype}, or "
+                    "main_dtype=None (build_optimizer's mixed_precision=False) for a model of "
+                    "that dtype"
                 )
 
     def _buffer_device(self) -> torch.device:

@@ -60,6 +60,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             ones (``dp_cp``, TP group, ``mp``); both are divided by the ``dp_cp`` size (see
             :mod:`pgregistry.optim._base`).
         main_dtype: dtype of the main copies and grads; ``None`` steps the parameters themselves.
+            It must hold every parameter's dtype (float32 main copies of float64 parameters are
+            refused: they would round them).
         bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one
             bucket).
         param_name_fn: names parameters in state dicts and errors.
@@ -88,6 +90,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 f"{sorted(map(str, dtypes))}; give each dtype its own optimizer or set main_dtype"
             )
         buffer_dtype = main_dtype or next(iter(dtypes), torch.float32)
+        self._check_main_dtype(buffer_dtype)
         device = self._buffer_device()
         # Main copies exist before their storage: the buffer classifies them (their roles are what
         # the optimizer counts) and lays them out; each then becomes its view of the flat main

@@ -85,7 +85,8 @@ class ShardedOptimizer(FlatOptimizer):
     Raises:
         ValueError: ``inter_dist_opt`` spanning several distributed-optimizer instances (one is
             supported); ``intra_dist_opt`` unset; parameters of several dtypes (give each dtype its
-            own optimizer).
+            own optimizer); a ``main_dtype`` that would round a parameter (float32 main copies of
+            float64 parameters).
 
     Example::
 
@@ -124,6 +125,7 @@ class ShardedOptimizer(FlatOptimizer):
             )
         param_dtype = next(iter(dtypes), main_dtype or torch.float32)
         main_dtype = main_dtype or param_dtype
+        self._check_main_dtype(main_dtype)
         device = self._buffer_device()
         self.buffer = GradBuffer(
             self.params,

@@ -1,0 +1,82 @@
+"""The checks of :func:`pgregistry.optim.build_optimizer`'s and :func:`inner_factory`'s options.
+
+torch's optimizers check some of their numbers and not others: ``torch.optim.SGD`` takes an ``lr``,
+``momentum`` or ``weight_decay`` of NaN (its checks are ``lr < 0.0``, false for NaN) and every rule
+takes an infinite one, so the first step turns every parameter into NaN without a word; ``lr=None``
+or ``'0.1'`` fails in a comparison naming no option; ``lr=True`` is taken as 1. A flag given as a
+string (``sharded='no'``) reads as true, and a ``bucket_numel`` of ``True`` all-reduces the grads
+one element at a time. So every option is checked here first, before any buffer or collective, and
+a fault names the option, its value and its range. :mod:`pgregistry.modules` checks each module's
+options with the same rules on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from pgregistry._runtime.agreement import combine_faults
+from pgregistry.grad_stats._arguments import real_number
+
+__all__ = ["OPTIMIZER_NAMES", "check_options", "option_error"]
+
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
+"""The update rules :func:`pgregistry.optim.build_optimizer` names."""
+
+_NON_NEGATIVE = ("lr", "weight_decay", "eps", "momentum")
+_FLAGS = ("mixed_precision", "sharded")
+
+
+def option_error(option: str, value: Any) -> Exception | None:
+    """Why ``build_optimizer`` refuses ``value`` for its keyword ``option``, or ``None``.
+
+    The numbers of the update rules must be finite and within torch's ranges (``betas`` each in
+    [0, 1)), the flags ``True`` or ``False``, ``bucket_numel`` a positive integer or ``None``,
+    ``optimizer`` a rule's name or a factory; options without a rule here pass."""
+    shown = f"{value!r} ({type(value).__name__})"
+    if option in _NON_NEGATIVE:
+        number = real_number(value)
+        if number is None:
+            return TypeError(f"{option} must be a number, got {shown}")
+        return (
+            None
+            if number >= 0 and math.isfinite(number)
+            else ValueError(f"{option} must be a non-negative, finite number, got {value!r}")
+        )
+    if option == "betas":
+        pair = list(value) if isinstance(value, (tuple, list)) else None
+        if pair is None or len(pair) != 2 or any(real_number(b) is None for b in pair):
+            return TypeError(f"betas must be a pair of numbers, got {shown}")
+        return (
+            None
+            if all(0 <= real_number(b) < 1 for b in pair)  # type: ignore[operator]
+            else ValueError(f"betas must each be in [0, 1), got {value!r}")
+        )
+    if option in _FLAGS and not isinstance(value, bool):
+        return TypeError(f"{option} must be True or False, got {shown}")
+    if option == "bucket_numel" and value is not None:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            return TypeError(
+                f"bucket_numel must be a whole number of elements or None, got {shown}"
+            )
+        return (
+            None if int(value) > 0 else ValueError(f"bucket_numel must be positive, got {value!r}")
+        )
+    if option == "optimizer" and not callable(value) and value not in OPTIMIZER_NAMES:
+        return ValueError(
+            f"optimizer must be one of {list(OPTIMIZER_NAMES)} or a factory, got {value!r}"
+        )
+    if option == "param_name_fn" and value is not None and not callable(value):
+        return TypeError(f"param_name_fn must be a function of a parameter or None, got {shown}")
+    return None
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Raise the faults :func:`option_error` finds in ``options``, all of them in one exception."""
+    fault = combine_faults(*(option_error(option, value) for option, value in options.items()))
+    if isinstance(fault, Exception):
+        raise fault
+    if fault is not None:
+        raise ValueError(fault)
