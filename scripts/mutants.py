@@ -1285,6 +1285,30 @@ MUTANTS: tuple[Mutant, ...] = (
             for case in ("lr-nan", "lr-inf", "weight-decay-nan", "momentum-nan")
         ),
     ),
+    Mutant(
+        name="chained-child-counted-twice",
+        bug="a ChainedOptimizer given one child twice: its grads counted twice in the norm (sqrt(2) times the "
+        "model's) and stepped twice",
+        file="pgregistry/optim/_chained.py",
+        find="            if again:\n",
+        replace="            if False:\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_a_child_chained_twice_or_a_parameter_in_two_children_is_refused_not_counted_twice",),
+    ),
+    Mutant(
+        name="saved-param-group-loaded-unchecked",
+        bug="a flat step loads a saved param group as it is: a NaN lr makes every parameter NaN at the next step, "
+        "another rule's group (Adam's into an SGD) drives the rule",
+        file="pgregistry/optim/_flat_step.py",
+        find="        group_faults = self._param_group_faults(groups[0])\n",
+        replace="        group_faults: list[str] = []\n",
+        tests=tuple(
+            "tests/optim/test_optim_hostile_inputs.py::"
+            f"test_a_saved_param_group_or_step_out_of_range_is_refused_leaving_the_optimizer_unchanged[{case}]"
+            for case in ("lr-nan", "lr-missing", "betas-str")
+        ) + ("tests/optim/test_optim_hostile_inputs.py::"
+             "test_state_saved_by_another_update_rule_is_refused_naming_what_it_lacks",),
+    ),
 )
 
 

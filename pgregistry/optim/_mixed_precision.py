@@ -27,6 +27,7 @@ from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._flat_step import FlatStep
 from pgregistry.optim._grad_buffer import GradBuffer, all_reduce_grads_
+from pgregistry.optim._options import option_error
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, inner_state_dict, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import (
@@ -78,10 +79,15 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         bucket_numel: int | None = None,
         param_name_fn: ParamNameFn | None = None,
     ) -> None:
-        super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
+        super().__init__(
+            params, process_groups, expert=expert, param_name_fn=param_name_fn, inner=inner
+        )
         self.grad_sync_group = self.process_groups.expt_dp if expert else self.process_groups.dp_cp
         """Grads are summed over this group (after division by :attr:`grad_divisor`): ``expt_dp``
         for experts, ``dp_cp`` for dense parameters."""
+        bucket_fault = option_error("bucket_numel", bucket_numel)
+        if bucket_fault is not None:
+            raise bucket_fault
         self.bucket_numel = bucket_numel
         dtypes = {p.dtype for p in self.params}
         if main_dtype is None and len(dtypes) > 1:

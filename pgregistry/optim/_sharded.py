@@ -104,7 +104,9 @@ class ShardedOptimizer(FlatOptimizer):
         main_dtype: torch.dtype | None = torch.float32,
         param_name_fn: ParamNameFn | None = None,
     ) -> None:
-        super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
+        super().__init__(
+            params, process_groups, expert=expert, param_name_fn=param_name_fn, inner=inner
+        )
         groups = self.process_groups
         if group_size(groups.inter_dist_opt) > 1:
             raise ValueError(
