@@ -1309,6 +1309,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ) + ("tests/optim/test_optim_hostile_inputs.py::"
              "test_state_saved_by_another_update_rule_is_refused_naming_what_it_lacks",),
     ),
+    Mutant(
+        name="dcp-save-overwrites-a-checkpoint",
+        bug="save_distributed into a directory holding a checkpoint overwrites it (torch.distributed.checkpoint "
+        "does): the earlier checkpoint lost, or half-replaced by a save that fails",
+        file="pgregistry/checkpoint/_directory.py",
+        find="    if (directory / DCP_METADATA).exists():\n",
+        replace="    if False:\n",
+        tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
+               "test_a_second_save_into_a_checkpoint_or_a_save_into_a_file_is_refused_on_every_rank",),
+    ),
 )
 
 
