@@ -1319,6 +1319,15 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
                "test_a_second_save_into_a_checkpoint_or_a_save_into_a_file_is_refused_on_every_rank",),
     ),
+    Mutant(
+        name="node-of-unchecked",
+        bug="node_of divides whatever it is given: node -2 for 8 GPUs per node given as -8, node 1.0 for rank 3.5",
+        file="pgregistry/placement.py",
+        find='    return non_negative_int(rank, "rank") // positive_int(gpus_per_node, "gpus_per_node")',
+        replace="    return rank // gpus_per_node",
+        tests=("tests/placement/test_placement_arguments.py::"
+               "test_node_of_refuses_what_is_no_rank_or_node_size_instead_of_answering_a_node",),
+    ),
 )
 
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pgregistry._source.files import path_kind
-
-__all__ = ["DCP_METADATA", "checkpoint_path", "refuse_a_file", "refuse_an_existing_dcp_checkpoint"]
+__all__ = [
+    "DCP_METADATA",
+    "checkpoint_path",
+    "kind_of_non_directory",
+    "refuse_a_file",
+    "refuse_an_existing_dcp_checkpoint",
+]
 
 DCP_METADATA = ".metadata"
 """The file ``torch.distributed.checkpoint`` writes last, once every rank's data is written."""
@@ -39,10 +43,17 @@ def checkpoint_path(directory: object, owner: str) -> Path:
     return Path(directory)
 
 
+def kind_of_non_directory(path: Path) -> str | None:
+    """What ``path`` is when it exists and is no directory (``"a regular file"``), else ``None``."""
+    if not path.exists() or path.is_dir():
+        return None
+    return "a regular file" if path.is_file() else "no regular file (a device, a FIFO or a socket)"
+
+
 def refuse_a_file(directory: Path) -> None:
     """``NotADirectoryError`` naming what ``directory`` is when it exists and is no directory."""
-    kind = path_kind(directory)
-    if kind not in (None, "a directory"):
+    kind = kind_of_non_directory(directory)
+    if kind is not None:
         raise NotADirectoryError(
             f"the checkpoint directory {directory} is {kind}, not a directory: name a directory "
             "(a save makes it when missing)"

@@ -38,7 +38,6 @@ import attrs
 import torch
 from torch import nn
 
-from pgregistry._source.files import path_kind
 from pgregistry.checkpoint._agreement import (
     Scope,
     max_over_ranks,
@@ -56,7 +55,11 @@ from pgregistry.checkpoint._by_name import (
     param_name_of_key,
     prepare_flat_state_load,
 )
-from pgregistry.checkpoint._directory import checkpoint_path, refuse_a_file
+from pgregistry.checkpoint._directory import (
+    checkpoint_path,
+    kind_of_non_directory,
+    refuse_a_file,
+)
 from pgregistry.checkpoint._disk import partial_path, rename_durably, write_partial
 from pgregistry.checkpoint._integrity import checksums_of, find_damaged_tensors
 from pgregistry.checkpoint._strict import Stored, check_strict, refuse_misfits
@@ -277,7 +280,7 @@ def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankF
     world.
     """
     if not directory.is_dir():
-        kind = path_kind(directory)
+        kind = kind_of_non_directory(directory)
         raise ValueError(
             f"no checkpoint directory {directory}"
             + (f" (it is {kind}, not a directory)" if kind is not None else "")
