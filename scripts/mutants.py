@@ -1328,6 +1328,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/placement/test_placement_arguments.py::"
                "test_node_of_refuses_what_is_no_rank_or_node_size_instead_of_answering_a_node",),
     ),
+    Mutant(
+        name="audit-non-finite-spread",
+        bug="the replication audit measures a NaN or an infinity by its spread (NaN): identical non-finite grads on "
+        "every replica listed as a mismatch, 'are the grads synchronised yet?'",
+        file="pgregistry/audit.py",
+        find="            values, codes = _finite_and_codes(flat)\n",
+        replace="            values, codes = flat, torch.zeros_like(flat)\n",
+        tests=("tests/grad_stats/test_audit_non_finite_grads.py::"
+               "test_identical_non_finite_grads_are_replicated_and_differing_ones_are_not",),
+    ),
 )
 
 
