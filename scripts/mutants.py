@@ -1338,6 +1338,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_audit_non_finite_grads.py::"
                "test_identical_non_finite_grads_are_replicated_and_differing_ones_are_not",),
     ),
+    Mutant(
+        name="check-config-of-a-dict-agrees",
+        bug="check_config given a dict (no size attributes) checks nothing: a config of TP 4 agrees with groups of "
+        "one rank",
+        file="pgregistry/interop/megatron.py",
+        find="    if not any(hasattr(config, attribute) for attribute, *_ in _SIZES):\n",
+        replace="    if False:\n",
+        tests=("tests/megatron/test_megatron_arguments.py::"
+               "test_a_config_without_sizes_or_a_collection_of_neither_package_is_refused",),
+    ),
 )
 
 
