@@ -19,7 +19,7 @@ from typing import Any
 
 from pgregistry._runtime.agreement import Fault, combine_faults
 from pgregistry.optim import build_optimizer as build_module_optimizer
-from pgregistry.optim._options import option_error
+from pgregistry.optim._options import describe_options, option_error
 
 __all__ = ["describe_options", "options_error"]
 
@@ -46,28 +46,6 @@ def options_error(
             if fault is not None:
                 faults.append(type(fault)(f"module {name!r}: {fault}"))
     return combine_faults(*faults)
-
-
-def describe_options(options: Mapping[str, Any]) -> str:
-    """``options`` as a text every rank given the same ones writes alike.
-
-    Values that are plain data by their repr, code (a factory, a ``param_name_fn``) by its type,
-    whose repr would carry an address that differs by process."""
-    return (
-        "{"
-        + ", ".join(
-            f"{option}={_describe_value(value)}" for option, value in sorted(options.items())
-        )
-        + "}"
-    )
-
-
-def _describe_value(value: Any) -> str:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_describe_value(item) for item in value) + ")"
-    return f"<{type(value).__qualname__}>"
 
 
 def _option_keywords() -> set[str]:

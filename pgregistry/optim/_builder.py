@@ -25,7 +25,7 @@ from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule
 from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
-from pgregistry.optim._options import check_options
+from pgregistry.optim._options import agree_options, check_options
 from pgregistry.optim._setup import (
     check_instance_holds_stats_groups,
     optimizer_collection,
@@ -159,6 +159,8 @@ def build_optimizer(
         ValueError: an unclassified expert parameter (named); a collection missing a group the
             optimizer needs (named); a sharded build whose ``intra_dist_opt`` does not hold the
             statistics groups; a model without trainable parameters; an unknown ``optimizer`` name;
+            on every rank of the optimizer's instance, options that differ across its ranks (an
+            ``lr`` read from each rank's environment: replicas would diverge);
             a number out of its range (NaN, infinite or negative ``lr``, ``eps``, ``weight_decay``,
             ``momentum``; a beta outside [0, 1); ``bucket_numel`` not positive), named; on every
             rank of the statistics group, float64 parameters under ``mixed_precision=True`` (their
@@ -170,25 +172,35 @@ def build_optimizer(
         clip_grad_norm_(model, 1.0, pg)
         optimizer.step()
     """
-    check_options(
-        {
-            "optimizer": optimizer,
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "betas": betas,
-            "eps": eps,
-            "momentum": momentum,
-            "mixed_precision": mixed_precision,
-            "sharded": sharded,
-            "bucket_numel": bucket_numel,
-            "param_name_fn": param_name_fn,
-        }
-    )
+    options = {
+        "optimizer": optimizer,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "betas": betas,
+        "eps": eps,
+        "momentum": momentum,
+        "mixed_precision": mixed_precision,
+        "sharded": sharded,
+        "bucket_numel": bucket_numel,
+        "param_name_fn": param_name_fn,
+    }
+    check_options(options)
     params = normalise_model(model, "build_optimizer")
     collection = optimizer_collection(pg_collection, params, owner="build_optimizer")
     require_classified_experts(params, collection)
     process_groups = optimizer_process_groups(
         collection, params.chunks, use_distributed_optimizer=sharded
+    )
+    # The replicas (dp_cp) then the model-parallel ranks (mp): every rank of the instance, before
+    # the first collective that depends on the options (a sharded build's).
+    agree_options(
+        options,
+        (
+            process_groups.dp_cp,
+            process_groups.mp,
+            process_groups.expt_dp,
+            process_groups.stats.expert_reduce,
+        ),
     )
     if sharded:
         check_instance_holds_stats_groups(process_groups)

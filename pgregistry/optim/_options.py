@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from pgregistry._runtime.agreement import combine_faults
+from pgregistry._runtime.agreement import combine_faults, verdict_of, world_device
+from pgregistry.collection import group_size
 from pgregistry.grad_stats._arguments import real_number
 
-__all__ = ["OPTIMIZER_NAMES", "check_options", "option_error"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = [
+    "OPTIMIZER_NAMES",
+    "agree_options",
+    "check_options",
+    "describe_options",
+    "option_error",
+]
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 """The update rules :func:`pgregistry.optim.build_optimizer` names."""
@@ -80,3 +90,53 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise fault
     if fault is not None:
         raise ValueError(fault)
+
+
+def describe_options(options: Mapping[str, Any]) -> str:
+    """``options`` as a text every rank given the same ones writes alike.
+
+    Values that are plain data by their repr, code (a factory, a ``param_name_fn``) by its type,
+    whose repr would carry an address that differs by process."""
+    return (
+        "{"
+        + ", ".join(
+            f"{option}={_describe_value(value)}" for option, value in sorted(options.items())
+        )
+        + "}"
+    )
+
+
+def _describe_value(value: Any) -> str:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe_value(item) for item in value) + ")"
+    return f"<{type(value).__qualname__}>"
+
+
+def agree_options(options: Mapping[str, Any], groups: Sequence[ProcessGroup | None]) -> None:
+    """``ValueError`` on every rank of ``groups`` when their ranks were given different ``options``.
+
+    Replicas given different learning rates step alike grads into different parameters, silently,
+    and ranks given different ``sharded`` or ``mixed_precision`` issue different collectives and
+    wait for each other. One MAX all-reduce of a digest of :func:`describe_options` and its negation
+    over each group of several ranks (together the ranks of the optimizer's instance), before any
+    collective that depends on the options."""
+    import torch
+    import torch.distributed as dist
+
+    described = describe_options(options)
+    digest, negated, _ = verdict_of({"options": described}, None)
+    reduced = [digest, negated]
+    for group in groups:
+        if group is None or group_size(group) == 1:
+            continue
+        pair = torch.tensor(reduced, dtype=torch.int64, device=world_device(group))
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+        reduced = pair.tolist()
+    if reduced[0] != -reduced[1]:  # every rank of the groups sees the same maximum pair
+        raise ValueError(
+            "build_optimizer was given different options on the ranks of one optimizer (replicas "
+            f"would step alike grads differently); this rank's: {described}: give every rank the "
+            "same options"
+        )

@@ -295,3 +295,28 @@ def test_param_state_keyed_by_names_or_no_mapping_is_refused_not_ignored() -> No
         optimizer.load_param_state(by_name)  # loaded nothing, silently, before
     with pytest.raises(ValueError, match="it is a NoneType, not a mapping of parameter -> state"):
         optimizer.load_param_state(None)
+
+
+def _options_differing_on_rank_1() -> dict[str, str]:
+    collection = registry.build(ParallelLayout(num_ranks=2))  # two data-parallel replicas
+    rank = dist.get_rank()
+    out = {}
+    for label, options in (
+        ("lr", {"lr": 0.2 if rank else 0.1}),  # replicas stepped alike grads differently before
+        ("sharded", {"sharded": rank == 1}),
+    ):
+        try:
+            build_optimizer(_linear(), collection, optimizer="sgd", **options)  # type: ignore[arg-type]
+            out[label] = "built"
+        except ValueError as exc:
+            out[label] = str(exc)
+    return out
+
+
+def test_options_that_differ_across_the_ranks_of_one_optimizer_are_refused_on_every_rank() -> None:
+    for rank, out in enumerate(run_world(2, _options_differing_on_rank_1, timeout=60.0)):
+        for label in ("lr", "sharded"):
+            assert out[label].startswith(
+                "build_optimizer was given different options on the ranks of one optimizer"
+            ), (rank, label, out[label])
+        assert f"lr={0.2 if rank else 0.1}" in out["lr"]
