@@ -189,7 +189,8 @@ def to_device_mesh(
     Raises:
         TypeError: ``pg_collection`` is not a collection; ``fields`` or ``dim_names`` a str (its
             letters are no names: pass a tuple).
-        ValueError: the collection is destroyed; a field unknown, repeated or UNSET; ``dim_names``
+        ValueError: ``device_type`` no torch device type (``"gpu"``); the collection is destroyed; a
+            field unknown, repeated or UNSET; ``dim_names``
             not one distinct name per field; two dims sharing ranks (``("dp_cp", "cp")``: not a
             grid); or ``inter_dist_opt`` leaving the data-parallel group its shard dim splits.
 
@@ -209,6 +210,9 @@ def to_device_mesh(
                 f"{argument} must be a sequence of names, one per dim, got the str {value!r}: "
                 f"pass ({value!r},)"
             )
+    device_problem = device_type_problem(device_type)
+    if device_problem is not None:
+        raise ValueError(device_problem)
     fields = tuple(fields)
     if not fields or len(set(fields)) != len(fields) or any(f not in MESH_FIELDS for f in fields):
         raise ValueError(f"fields {fields!r} must be distinct names from {MESH_FIELDS}")
@@ -238,6 +242,26 @@ def to_device_mesh(
             f"the groups of {fields!r} share ranks beyond this one, so they do not form a grid"
         )
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+
+
+def device_type_problem(device_type: object) -> str | None:
+    """Why ``device_type`` names no torch device type (``"gpu"``, ``"cuda:0"``), else ``None``.
+
+    ``DeviceMesh`` takes any string: a mesh of ``"gpu"`` was made, and failed deep in torch at its
+    first DTensor."""
+    import torch
+
+    if isinstance(device_type, str) and ":" not in device_type:
+        try:
+            torch.device(device_type)
+        except RuntimeError:
+            pass
+        else:
+            return None
+    return (
+        f"device_type {device_type!r} is no torch device type: give one such as 'cuda' or 'cpu' "
+        "(a type, without an index)"
+    )
 
 
 def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> ProcessGroup:

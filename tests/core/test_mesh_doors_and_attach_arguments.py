@@ -43,6 +43,9 @@ def test_a_field_name_that_is_no_str_or_dims_given_as_a_str_are_named() -> None:
     for keywords in ({"fields": "tp"}, {"fields": ("dp_cp", "tp"), "dim_names": "dt"}):
         with pytest.raises(TypeError, match=r"must be a sequence of names, one per dim, got the str"):
             to_device_mesh(ALL_OFF, **keywords)  # type: ignore[arg-type]
+    for device_type in ("gpu", "cuda:0"):  # DeviceMesh took any string: a mesh of "gpu" was made
+        with pytest.raises(ValueError, match=rf"device_type '{device_type}' is no torch device type"):
+            to_device_mesh(ALL_OFF, ("tp",), device_type)
 
 
 def _mesh_arguments() -> dict[str, Any]:
