@@ -1353,10 +1353,20 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="build_optimizer takes each rank's options as given: replicas given different learning rates step "
         "alike grads into different parameters, and ranks given different 'sharded' wait for each other",
         file="pgregistry/optim/_options.py",
-        find="    if reduced[0] != -reduced[1]:",
+        find="    if values[0] != -values[1]:",
         replace="    if False:",
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_options_that_differ_across_the_ranks_of_one_optimizer_are_refused_on_every_rank",),
+    ),
+    Mutant(
+        name="replicas-of-other-parameters-summed",
+        bug="data-parallel replicas holding other parameters (a parameter frozen on one rank, a model built "
+        "otherwise) build their optimizers, and their grad buffers, padded alike, are all-reduced as if alike",
+        file="pgregistry/optim/_options.py",
+        find="        values[2 + index] = max(values[2 + index], int(top != -negated_bottom))\n",
+        replace="",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_replicas_holding_other_parameters_are_refused_on_every_rank",),
     ),
 )
 

@@ -25,7 +25,7 @@ from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule
 from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
-from pgregistry.optim._options import agree_options, check_options
+from pgregistry.optim._options import Replicas, agree_options, check_options, structure_of
 from pgregistry.optim._setup import (
     check_instance_holds_stats_groups,
     optimizer_collection,
@@ -191,21 +191,30 @@ def build_optimizer(
     process_groups = optimizer_process_groups(
         collection, params.chunks, use_distributed_optimizer=sharded
     )
-    # The replicas (dp_cp) then the model-parallel ranks (mp): every rank of the instance, before
-    # the first collective that depends on the options (a sharded build's).
+    named = [(name, p) for name, p in params.named if p.requires_grad]
+    # Over the replicas (dp_cp, expt_dp), then the rest of the grid (mp, the expert model-parallel
+    # group): every rank of the instance, before the first collective that depends on the options
+    # (a sharded build's).
     agree_options(
         options,
         (
-            process_groups.dp_cp,
-            process_groups.mp,
-            process_groups.expt_dp,
-            process_groups.stats.expert_reduce,
+            Replicas(
+                process_groups.dp_cp,
+                process_groups.mp,
+                structure_of([(n, p) for n, p in named if not is_expert_param(p)]),
+                "dense",
+            ),
+            Replicas(
+                process_groups.expt_dp,
+                process_groups.stats.expert_reduce,
+                structure_of([(n, p) for n, p in named if is_expert_param(p)]),
+                "expert",
+            ),
         ),
     )
     if sharded:
         check_instance_holds_stats_groups(process_groups)
     stats_groups = process_groups.stats
-    named = [(name, p) for name, p in params.named if p.requires_grad]
     names = {id(p): name for name, p in named}
     name_fn = param_name_fn or (lambda p: names[id(p)])
     if isinstance(optimizer, str):

@@ -17,6 +17,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from pgregistry._runtime.agreement import combine_faults, verdict_of, world_device
 from pgregistry.collection import group_size
 from pgregistry.grad_stats._arguments import real_number
@@ -26,10 +28,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPTIMIZER_NAMES",
+    "Replicas",
     "agree_options",
     "check_options",
     "describe_options",
     "option_error",
+    "structure_of",
 ]
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
@@ -114,29 +118,69 @@ def _describe_value(value: Any) -> str:
     return f"<{type(value).__qualname__}>"
 
 
-def agree_options(options: Mapping[str, Any], groups: Sequence[ProcessGroup | None]) -> None:
-    """``ValueError`` on every rank of ``groups`` when their ranks were given different ``options``.
+@attrs.frozen(slots=True)
+class Replicas:
+    """Parameters every rank of ``replicas`` must hold alike, then ``across``, the rest of the grid.
 
-    Replicas given different learning rates step alike grads into different parameters, silently,
-    and ranks given different ``sharded`` or ``mixed_precision`` issue different collectives and
-    wait for each other. One MAX all-reduce of a digest of :func:`describe_options` and its negation
-    over each group of several ranks (together the ranks of the optimizer's instance), before any
-    collective that depends on the options."""
-    import torch
-    import torch.distributed as dist
+    ``structure`` describes this rank's (names, shapes, dtypes); ``what`` names them in messages."""
 
+    replicas: ProcessGroup | None
+    across: ProcessGroup | None
+    structure: str
+    what: str
+
+
+def agree_options(options: Mapping[str, Any], chains: Sequence[Replicas]) -> None:
+    """``ValueError`` on every rank of the optimizer when its ranks were given different ``options``
+    or replicas of different parameters.
+
+    Replicas given different learning rates step alike grads into different parameters, silently;
+    ranks given different ``sharded`` or ``mixed_precision`` issue different collectives and wait
+    for each other; and replicas holding other parameters (a model built otherwise on one rank, a
+    parameter frozen on one rank only) all-reduce unrelated grads, whose flat buffers are padded to
+    the same length. One MAX all-reduce per group: for each chain, the digests of the options and
+    of the structure over ``replicas`` (where the structure must agree), then the options and the
+    verdict over ``across`` (which, with ``replicas``, spans the grid, so every rank learns it)."""
     described = describe_options(options)
     digest, negated, _ = verdict_of({"options": described}, None)
-    reduced = [digest, negated]
-    for group in groups:
-        if group is None or group_size(group) == 1:
-            continue
-        pair = torch.tensor(reduced, dtype=torch.int64, device=world_device(group))
-        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
-        reduced = pair.tolist()
-    if reduced[0] != -reduced[1]:  # every rank of the groups sees the same maximum pair
+    values = [digest, negated] + [0] * len(chains)  # the options, then each chain's verdict
+    for index, chain in enumerate(chains):
+        # The structure only over its replicas: across them (other stages, other experts) it
+        # differs.
+        shape_digest, shape_negated, _ = verdict_of({"structure": chain.structure}, None)
+        *values, top, negated_bottom = _max_over(
+            values + [shape_digest, shape_negated], chain.replicas
+        )
+        values[2 + index] = max(values[2 + index], int(top != -negated_bottom))
+        values = _max_over(values, chain.across)
+    if values[0] != -values[1]:  # every rank of the grid sees the same maximum pair
         raise ValueError(
             "build_optimizer was given different options on the ranks of one optimizer (replicas "
             f"would step alike grads differently); this rank's: {described}: give every rank the "
             "same options"
         )
+    for index, chain in enumerate(chains):
+        if values[2 + index]:
+            raise ValueError(
+                f"the data-parallel replicas of this optimizer's {chain.what} parameters hold "
+                "different ones (a model built otherwise on one rank, or a parameter frozen on one "
+                "rank only; their grads would be summed as if alike); this rank's: "
+                f"{chain.structure[:300]}: build the same model on every replica"
+            )
+
+
+def _max_over(values: list[int], group: ProcessGroup | None) -> list[int]:
+    """``values`` MAX all-reduced over ``group`` (as they are when it has one rank)."""
+    import torch
+    import torch.distributed as dist
+
+    if group is None or group_size(group) == 1:
+        return values
+    reduced = torch.tensor(values, dtype=torch.int64, device=world_device(group))
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return [int(value) for value in reduced.tolist()]
+
+
+def structure_of(named: Sequence[tuple[str, Any]]) -> str:
+    """The trainable parameters ``named`` as a text replicas holding the same ones write alike."""
+    return "; ".join(f"{name} {tuple(p.shape)} {p.dtype}" for name, p in named) or "none"

@@ -320,3 +320,26 @@ def test_options_that_differ_across_the_ranks_of_one_optimizer_are_refused_on_ev
                 "build_optimizer was given different options on the ranks of one optimizer"
             ), (rank, label, out[label])
         assert f"lr={0.2 if rank else 0.1}" in out["lr"]
+
+
+def _replicas_of_other_parameters(kind: str) -> str:
+    collection = registry.build(ParallelLayout(num_ranks=2))  # two data-parallel replicas
+    rank = dist.get_rank()
+    model = nn.Linear(3, 2 + rank) if kind == "shape" else _linear()
+    if kind == "frozen" and rank == 1:
+        model.bias.requires_grad_(False)
+    try:
+        build_optimizer(model, collection, optimizer="sgd", lr=0.1)
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+@pytest.mark.parametrize("kind", ["shape", "frozen"])
+def test_replicas_holding_other_parameters_are_refused_on_every_rank(kind: str) -> None:
+    # Both flat buffers are padded to 64 elements, so their grads were all-reduced as if alike: rank 0's bias grad
+    # summed with rank 1's padding (frozen), or a (2, 3) weight's with a (3, 3) one's (shape).
+    for rank, message in enumerate(run_world(2, _replicas_of_other_parameters, kind, timeout=60.0)):
+        assert message.startswith(
+            "the data-parallel replicas of this optimizer's dense parameters hold different ones"
+        ), (rank, message)
