@@ -784,8 +784,10 @@ def _measure_replication(
 
 
 def _finite_and_codes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat`` with its non-finite values 0, and a code per element: 0 finite, 1 NaN, 2 +inf, 3
-    -inf; two ranks' elements are equal when both their values and their codes are."""
+    """``flat`` with its non-finite values 0, and each element's kind as a code.
+
+    The codes: 0 finite, 1 NaN, 2 +inf, 3 -inf; two ranks' elements are equal when both their values
+    and their codes are."""
     finite = flat.isfinite()
     values = torch.where(finite, flat, torch.zeros_like(flat))
     codes = torch.where(

@@ -24,7 +24,7 @@ def plain_int(value: object) -> object:
 
 def positive_int(value: object, name: str) -> int:
     """``value`` as an int when it is an integer of any type above 0, else ``ValueError``."""
-    number = _integer(value)
+    number = _as_integer(value)
     if number is None or number < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return number
@@ -32,13 +32,13 @@ def positive_int(value: object, name: str) -> int:
 
 def non_negative_int(value: object, name: str) -> int:
     """``value`` as an int when it is an integer of any type, 0 or more, else ``ValueError``."""
-    number = _integer(value)
+    number = _as_integer(value)
     if number is None or number < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return number
 
 
-def _integer(value: object) -> int | None:
+def _as_integer(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         return None
     return operator.index(value)

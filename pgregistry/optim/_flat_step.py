@@ -313,9 +313,11 @@ class FlatStep:
         return faults
 
     def _param_group_faults(self, group: Mapping[str, Any]) -> list[str]:
-        """Why the saved param ``group`` cannot drive this rule: a hyperparameter of the rule
-        missing (state saved by another rule: Adam's group has no ``momentum``), or a number out of
-        its range (a NaN ``lr`` would make every parameter NaN at the next step)."""
+        """Why the saved param ``group`` cannot drive this rule (empty: it can).
+
+        A hyperparameter of the rule missing (state saved by another rule: Adam's group has no
+        ``momentum``), or a number out of its range (a NaN ``lr`` would make every parameter NaN at
+        the next step)."""
         missing = sorted(set(self.rule.hyperparameters) - set(group))
         if missing:
             return [

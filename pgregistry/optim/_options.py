@@ -131,16 +131,16 @@ class Replicas:
 
 
 def agree_options(options: Mapping[str, Any], chains: Sequence[Replicas]) -> None:
-    """``ValueError`` on every rank of the optimizer when its ranks were given different ``options``
-    or replicas of different parameters.
+    """``ValueError`` on every rank when the optimizer's ranks differ in options or replicas.
 
-    Replicas given different learning rates step alike grads into different parameters, silently;
-    ranks given different ``sharded`` or ``mixed_precision`` issue different collectives and wait
-    for each other; and replicas holding other parameters (a model built otherwise on one rank, a
-    parameter frozen on one rank only) all-reduce unrelated grads, whose flat buffers are padded to
-    the same length. One MAX all-reduce per group: for each chain, the digests of the options and
-    of the structure over ``replicas`` (where the structure must agree), then the options and the
-    verdict over ``across`` (which, with ``replicas``, spans the grid, so every rank learns it)."""
+    That is, given different ``options``, or replicas holding different parameters. Replicas given
+    different learning rates step alike grads into different parameters, silently; ranks given
+    different ``sharded`` or ``mixed_precision`` issue different collectives and wait for each
+    other; and replicas holding other parameters (a model built otherwise on one rank, a parameter
+    frozen on one rank only) all-reduce unrelated grads, whose flat buffers are padded to the same
+    length. One MAX all-reduce per group: for each chain, the digests of the options and of the
+    structure over ``replicas`` (where the structure must agree), then the options and the verdict
+    over ``across`` (which, with ``replicas``, spans the grid, so every rank learns it)."""
     described = describe_options(options)
     digest, negated, _ = verdict_of({"options": described}, None)
     values = [digest, negated] + [0] * len(chains)  # the options, then each chain's verdict
