@@ -1368,6 +1368,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_replicas_holding_other_parameters_are_refused_on_every_rank",),
     ),
+    Mutant(
+        name="factory-lr-ignored",
+        bug="build_optimizer given a factory and lr=3e-4 steps with the factory's own lr (AdamW's 1e-3), and "
+        "momentum given for Adam is dropped, without a word",
+        file="pgregistry/optim/_options.py",
+        find="    if not ignored:\n        return\n",
+        replace="    return\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_an_option_the_rule_does_not_read_is_refused_not_ignored",),
+    ),
 )
 
 

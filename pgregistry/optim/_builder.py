@@ -25,7 +25,13 @@ from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule
 from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
-from pgregistry.optim._options import Replicas, agree_options, check_options, structure_of
+from pgregistry.optim._options import (
+    Replicas,
+    agree_options,
+    check_options,
+    refuse_ignored_options,
+    structure_of,
+)
 from pgregistry.optim._setup import (
     check_instance_holds_stats_groups,
     optimizer_collection,
@@ -67,23 +73,23 @@ def inner_factory(
     Raises:
         TypeError: a number that is none (``None``, a string, a bool), or ``betas`` no pair.
         ValueError: an unknown ``optimizer`` name; a number that is negative, NaN or infinite, a
-            beta outside [0, 1).
+            beta outside [0, 1); a number the rule does not read (``momentum`` for Adam).
 
     Example::
 
         inner = inner_factory("adamw", lr=3e-4, weight_decay=0.1)
         optimizer = MixedPrecisionOptimizer(params, groups, inner=inner)
     """
-    check_options(
-        {
-            "optimizer": optimizer,
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "betas": betas,
-            "eps": eps,
-            "momentum": momentum,
-        }
-    )
+    options = {
+        "optimizer": optimizer,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "betas": betas,
+        "eps": eps,
+        "momentum": momentum,
+    }
+    check_options(options)
+    refuse_ignored_options(optimizer, options, inner_factory.__kwdefaults__ or {})
     if optimizer == "adam":
         return ElementwiseRule(
             torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -161,6 +167,8 @@ def build_optimizer(
             statistics groups; a model without trainable parameters; an unknown ``optimizer`` name;
             on every rank of the optimizer's instance, options that differ across its ranks (an
             ``lr`` read from each rank's environment: replicas would diverge);
+            a number the rule does not read, given (``lr`` with a factory as ``optimizer``: the
+            factory's own lr stepped; ``momentum`` for Adam, ``betas`` for SGD);
             a number out of its range (NaN, infinite or negative ``lr``, ``eps``, ``weight_decay``,
             ``momentum``; a beta outside [0, 1); ``bucket_numel`` not positive), named; on every
             rank of the statistics group, float64 parameters under ``mixed_precision=True`` (their
@@ -185,6 +193,7 @@ def build_optimizer(
         "param_name_fn": param_name_fn,
     }
     check_options(options)
+    refuse_ignored_options(optimizer, options, build_optimizer.__kwdefaults__ or {})
     params = normalise_model(model, "build_optimizer")
     collection = optimizer_collection(pg_collection, params, owner="build_optimizer")
     require_classified_experts(params, collection)

@@ -33,6 +33,7 @@ __all__ = [
     "check_options",
     "describe_options",
     "option_error",
+    "refuse_ignored_options",
     "structure_of",
 ]
 
@@ -85,6 +86,53 @@ def option_error(option: str, value: Any) -> Exception | None:
     if option == "param_name_fn" and value is not None and not callable(value):
         return TypeError(f"param_name_fn must be a function of a parameter or None, got {shown}")
     return None
+
+
+_RULE_OPTIONS = {
+    "adam": ("lr", "weight_decay", "betas", "eps"),
+    "adamw": ("lr", "weight_decay", "betas", "eps"),
+    "sgd": ("lr", "weight_decay", "momentum"),
+}
+"""The options each named rule reads; a factory reads none of them."""
+
+
+def refuse_ignored_options(
+    optimizer: object, options: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> None:
+    """``ValueError`` naming the options given (not their defaults) that ``optimizer`` ignores.
+
+    ``build_optimizer(optimizer=functools.partial(torch.optim.AdamW), lr=3e-4)`` stepped with
+    AdamW's own ``lr`` of 1e-3: a factory carries its own hyperparameters. Likewise ``momentum``
+    for Adam, ``betas`` and ``eps`` for SGD."""
+    if isinstance(optimizer, str) and optimizer not in _RULE_OPTIONS:
+        return  # an unknown name: option_error names it
+    reads = _RULE_OPTIONS[optimizer] if isinstance(optimizer, str) else ()
+    ignored = [
+        name
+        for name in ("lr", "weight_decay", "betas", "eps", "momentum")
+        if name in options and name not in reads and _differs(options[name], defaults[name])
+    ]
+    if not ignored:
+        return
+    if isinstance(optimizer, str):
+        raise ValueError(
+            f"{', '.join(ignored)} given, which {optimizer!r} does not read (it reads "
+            f"{', '.join(_RULE_OPTIONS[optimizer])}): leave them out, or name the rule that reads "
+            "them"
+        )
+    raise ValueError(
+        f"{', '.join(ignored)} given with a factory as optimizer, which carries its own "
+        "hyperparameters (these would be ignored): give them to the factory "
+        "(functools.partial(torch.optim.AdamW, lr=3e-4)), or name a rule ('adam', 'adamw', 'sgd')"
+    )
+
+
+def _differs(value: object, default: object) -> bool:
+    """Whether ``value`` is not its ``default`` (an array compared elementwise counts as given)."""
+    try:
+        return bool(value != default)
+    except (TypeError, ValueError, RuntimeError):
+        return True
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -9,6 +9,7 @@ wrong parameter; here each is refused."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import numpy as np
@@ -343,3 +344,17 @@ def test_replicas_holding_other_parameters_are_refused_on_every_rank(kind: str) 
         assert message.startswith(
             "the data-parallel replicas of this optimizer's dense parameters hold different ones"
         ), (rank, message)
+
+
+def test_an_option_the_rule_does_not_read_is_refused_not_ignored() -> None:
+    model = _linear()
+    factory = functools.partial(torch.optim.AdamW)
+    # AdamW's own lr of 1e-3 stepped before, not the 0.5 given.
+    with pytest.raises(ValueError, match=r"lr given with a factory as optimizer, which carries its own"):
+        build_optimizer(model, ALL_OFF, optimizer=factory, lr=0.5)
+    with pytest.raises(ValueError, match=r"momentum given, which 'adam' does not read \(it reads lr, weight_decay"):
+        build_optimizer(model, ALL_OFF, optimizer="adam", momentum=0.9)
+    with pytest.raises(ValueError, match=r"betas, eps given, which 'sgd' does not read"):
+        inner_factory("sgd", lr=0.1, betas=(0.5, 0.5), eps=1e-3)
+    built = build_optimizer(model, ALL_OFF, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    assert built.param_groups[0]["lr"] == 0.5
