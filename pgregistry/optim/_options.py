@@ -110,7 +110,9 @@ def refuse_ignored_options(
     ignored = [
         name
         for name in ("lr", "weight_decay", "betas", "eps", "momentum")
-        if name in options and name not in reads and _differs(options[name], defaults[name])
+        if name in options
+        and name not in reads
+        and _differs_from_default(options[name], defaults[name])
     ]
     if not ignored:
         return
@@ -127,7 +129,7 @@ def refuse_ignored_options(
     )
 
 
-def _differs(value: object, default: object) -> bool:
+def _differs_from_default(value: object, default: object) -> bool:
     """Whether ``value`` is not its ``default`` (an array compared elementwise counts as given)."""
     try:
         return bool(value != default)
