@@ -34,7 +34,8 @@ def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupColle
         collection: the collection it runs on.
 
     Raises:
-        TypeError: ``collection`` is not a :class:`~pgregistry.collection.ProcessGroupCollection`.
+        TypeError: ``collection`` is not a :class:`~pgregistry.collection.ProcessGroupCollection`;
+            ``model`` (or a chunk) is no module (a tensor: nothing would ever look it up).
 
     Example::
 
@@ -43,7 +44,20 @@ def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupColle
     """
     if not isinstance(collection, ProcessGroupCollection):
         raise TypeError(f"attach expects a ProcessGroupCollection, got {type(collection).__name__}")
-    for chunk in _as_chunks(model):
+    from torch.nn import Module  # not at import: pgregistry loads no torch
+
+    chunks = _as_chunks(model)
+    for index, chunk in enumerate(chunks):
+        # A tensor is never looked up (entry points given tensors take pg_collection), so a
+        # collection attached to one would be ignored without a word.
+        if not isinstance(chunk, Module):
+            where = "model" if chunk is model else f"model chunk {index}"
+            raise TypeError(
+                f"attach records the collection of a module: {where} is a "
+                f"{type(chunk).__name__}; attach it to the model (or its chunks), and pass "
+                "pg_collection= where you pass tensors"
+            )
+    for chunk in chunks:
         _attached[chunk] = collection
 
 

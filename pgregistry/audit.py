@@ -770,17 +770,38 @@ def _measure_replication(
             flat = torch.cat(
                 [locals_[index].detach().reshape(-1).to(torch.float64) for index in bucket]
             )
-            both = torch.cat([flat, -flat])
+            # A NaN or an infinity has no spread (NaN - NaN, inf - inf are NaN): identical
+            # non-finite grads measured as differing, a replicated grad reported as a mismatch.
+            # Their kind travels as a code instead, their value as 0.
+            values, codes = _finite_and_codes(flat)
+            count = flat.numel()
+            both = torch.cat([values, -values, codes, -codes])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=axis_groups[axis])
-            maximum, neg_minimum = both[: flat.numel()], both[flat.numel() :]
-            spread = maximum + neg_minimum
-            magnitude = torch.maximum(maximum, neg_minimum)
+            maximum, neg_minimum = both[:count], both[count : 2 * count]
+            top_code, neg_bottom_code = both[2 * count : 3 * count], both[3 * count :]
+            spread = (maximum + neg_minimum) + (top_code + neg_bottom_code)
+            magnitude = torch.maximum(maximum, neg_minimum) + top_code
             sizes = [locals_[index].numel() for index in bucket]
             parts = zip(bucket, spread.split(sizes), magnitude.split(sizes), strict=True)
             for index, part_spread, part_magnitude in parts:
                 replicated[axis][index] = bool((part_spread == 0).all())
                 zero[axis][index] = bool((part_magnitude == 0).all())
     return replicated, zero
+
+
+def _finite_and_codes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flat`` with its non-finite values 0, and each element's kind as a code.
+
+    The codes: 0 finite, 1 NaN, 2 +inf, 3 -inf; two ranks' elements are equal when both their values
+    and their codes are."""
+    finite = flat.isfinite()
+    values = torch.where(finite, flat, torch.zeros_like(flat))
+    codes = torch.where(
+        flat.isnan(),
+        1.0,
+        torch.where(flat == torch.inf, 2.0, torch.where(flat == -torch.inf, 3.0, 0.0)),
+    ).to(flat.dtype)
+    return values, codes
 
 
 def _dtensor_placements(param: torch.Tensor) -> str:

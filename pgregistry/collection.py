@@ -765,9 +765,16 @@ def _check_group(group: object) -> None:
 
 
 def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
-    """``names`` as a tuple; ``ValueError`` suggesting a close match for the first unknown one."""
+    """``names`` as a tuple; ``ValueError`` suggesting a close match for the first unknown one.
+
+    ``TypeError`` for a name that is no str (``None``, a pair), which difflib cannot compare."""
     names = tuple(names)
     for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"a field name must be a str (one of {', '.join(FIELD_NAMES)}), got {name!r} "
+                f"({type(name).__name__})"
+            )
         if name not in FIELD_NAMES:
             close = difflib.get_close_matches(name, FIELD_NAMES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

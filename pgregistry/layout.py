@@ -30,9 +30,11 @@ import hashlib
 import math
 import operator
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Final, SupportsIndex
+from typing import TYPE_CHECKING, Final
 
 import attrs
+
+from pgregistry._runtime.integers import plain_int
 
 if TYPE_CHECKING:
     import torch
@@ -137,13 +139,15 @@ GROUP_KINDS: Final[tuple[str, ...]] = (
 """Every group kind a layout enumerates, in the deterministic order groups are created."""
 
 
-def _plain_int(value: object) -> object:
-    """An integer of any type (``np.int64``) as an int; anything else as given, for the validator.
+def require_layout(layout: object) -> None:
+    """``TypeError`` for a ``layout`` that is no :class:`ParallelLayout` (``None``, keywords).
 
-    The validators take ``int`` alone: a NumPy size was refused as "must be a positive integer"."""
-    if isinstance(value, SupportsIndex) and not isinstance(value, bool | int):
-        return operator.index(value)
-    return value
+    For the functions that take a layout (the seed plan, placement), before they read it."""
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(
+            "layout must be a pgregistry.layout.ParallelLayout (such as "
+            f"ParallelLayout(num_ranks=8, tp=2)), got {type(layout).__name__}"
+        )
 
 
 def _check_positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -270,20 +274,20 @@ class ParallelLayout:
         ValueError: num_ranks 6 is not divisible by tp*gtp_remat*cp*pp = 4*1*1*1 = 4
     """
 
-    num_ranks: int = attrs.field(converter=_plain_int, validator=_check_positive)
-    tp: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
-    cp: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
-    pp: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
-    ep: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
+    num_ranks: int = attrs.field(converter=plain_int, validator=_check_positive)
+    tp: int = attrs.field(default=1, converter=plain_int, validator=_check_positive)
+    cp: int = attrs.field(default=1, converter=plain_int, validator=_check_positive)
+    pp: int = attrs.field(default=1, converter=plain_int, validator=_check_positive)
+    ep: int = attrs.field(default=1, converter=plain_int, validator=_check_positive)
     expt_tp: int = attrs.field(
         default=attrs.Factory(lambda self: self.tp, takes_self=True),
-        converter=_plain_int,
+        converter=plain_int,
         validator=_check_positive,
     )
-    gtp_remat: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
-    expt_gtp_remat: int = attrs.field(default=1, converter=_plain_int, validator=_check_positive)
+    gtp_remat: int = attrs.field(default=1, converter=plain_int, validator=_check_positive)
+    expt_gtp_remat: int = attrs.field(default=1, converter=plain_int, validator=_check_positive)
     order: str = attrs.field(default=DEFAULT_ORDER, converter=_order_text)
-    rank_offset: int = attrs.field(default=0, converter=_plain_int, validator=_non_negative)
+    rank_offset: int = attrs.field(default=0, converter=plain_int, validator=_non_negative)
     dp: int = attrs.field(init=False)
     expt_dp: int = attrs.field(init=False)
     _dense: _Grid = attrs.field(init=False, repr=False, eq=False)

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
+from pgregistry._runtime.integers import plain_int
 from pgregistry._runtime.resolve import check_usable
 from pgregistry.collection import UNSET, GroupName, ProcessGroupCollection, check_field_names
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
@@ -78,6 +79,8 @@ def from_device_mesh(
         A :class:`ProcessGroupCollection` holding the named fields' groups.
 
     Raises:
+        TypeError: ``mesh`` no DeviceMesh (a ProcessGroup), ``field_dims`` no mapping, a field
+            mapped to no dim name(s) (``None``).
         ValueError: an unknown field, ``hcp`` (a list of groups, not one), a mesh without dim names,
             an unknown or repeated dim, a flattening over a mesh smaller than the world, or this
             rank outside the mesh it flattens.
@@ -87,6 +90,16 @@ def from_device_mesh(
         mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
         pg = from_device_mesh(mesh, {"tp": "tp", "dp_cp": "dp"})
     """
+    if not hasattr(mesh, "mesh_dim_names") or not hasattr(mesh, "get_group"):
+        raise TypeError(
+            f"from_device_mesh takes a torch DeviceMesh, got {type(mesh).__name__}: make one with "
+            "init_device_mesh(...), or give a group to ProcessGroupCollection directly"
+        )
+    if not isinstance(field_dims, Mapping):
+        raise TypeError(
+            "field_dims must be a mapping of collection field -> mesh dim name(s), such as "
+            f"{{'tp': 'tp', 'dp_cp': ('dp', 'cp')}}, got {type(field_dims).__name__}"
+        )
     check_field_names(field_dims)
     if "hcp" in field_dims:
         raise ValueError(
@@ -98,6 +111,11 @@ def from_device_mesh(
         raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
     groups: dict[str, Any] = {}
     for field, spec in field_dims.items():
+        if not isinstance(spec, (str, Sequence)) or not all(isinstance(d, str) for d in spec):
+            raise TypeError(
+                f"field {field!r} maps to {spec!r}: give a mesh dim name, or a sequence of them "
+                "to flatten"
+            )
         dims = (spec,) if isinstance(spec, str) else tuple(spec)
         unknown = [d for d in dims if d not in dim_names]
         if not dims or unknown or len(set(dims)) != len(dims):
@@ -169,8 +187,10 @@ def to_device_mesh(
         A DeviceMesh made with ``DeviceMesh.from_group`` over the collection's own groups.
 
     Raises:
-        TypeError: ``pg_collection`` is not a collection.
-        ValueError: the collection is destroyed; a field unknown, repeated or UNSET; ``dim_names``
+        TypeError: ``pg_collection`` is not a collection; ``fields`` or ``dim_names`` a str (its
+            letters are no names: pass a tuple).
+        ValueError: ``device_type`` no torch device type (``"gpu"``); the collection is destroyed; a
+            field unknown, repeated or UNSET; ``dim_names``
             not one distinct name per field; two dims sharing ranks (``("dp_cp", "cp")``: not a
             grid); or ``inter_dist_opt`` leaving the data-parallel group its shard dim splits.
 
@@ -184,6 +204,15 @@ def to_device_mesh(
     from torch.distributed.device_mesh import DeviceMesh
 
     pg_collection = check_usable(pg_collection, "to_device_mesh")
+    for argument, value in (("fields", fields), ("dim_names", dim_names)):
+        if isinstance(value, str):  # its letters would be the dims
+            raise TypeError(
+                f"{argument} must be a sequence of names, one per dim, got the str {value!r}: "
+                f"pass ({value!r},)"
+            )
+    device_problem = device_type_problem(device_type)
+    if device_problem is not None:
+        raise ValueError(device_problem)
     fields = tuple(fields)
     if not fields or len(set(fields)) != len(fields) or any(f not in MESH_FIELDS for f in fields):
         raise ValueError(f"fields {fields!r} must be distinct names from {MESH_FIELDS}")
@@ -213,6 +242,26 @@ def to_device_mesh(
             f"the groups of {fields!r} share ranks beyond this one, so they do not form a grid"
         )
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+
+
+def device_type_problem(device_type: object) -> str | None:
+    """Why ``device_type`` names no torch device type (``"gpu"``, ``"cuda:0"``), else ``None``.
+
+    ``DeviceMesh`` takes any string: a mesh of ``"gpu"`` was made, and failed deep in torch at its
+    first DTensor."""
+    import torch
+
+    if isinstance(device_type, str) and ":" not in device_type:
+        try:
+            torch.device(device_type)
+        except RuntimeError:
+            pass
+        else:
+            return None
+    return (
+        f"device_type {device_type!r} is no torch device type: give one such as 'cuda' or 'cpu' "
+        "(a type, without an index)"
+    )
 
 
 def _mesh_group(pg_collection: ProcessGroupCollection, field: GroupName) -> ProcessGroup:
@@ -316,6 +365,7 @@ def with_hsdp_groups(
     if not isinstance(pg_collection, ProcessGroupCollection):
         check_usable(pg_collection, "with_hsdp_groups")  # the TypeError naming what it got
     require_distributed("with_hsdp_groups")
+    replicas = cast(int, plain_int(replicas))  # np.int64(2) is 2, agreed and checked as such
     layout = pg_collection.layout
     # Agreed first, so that every check below raises on every rank alike or on none: a rank outside
     # a span holds the span's layout too, and creates the split's groups with the others.
@@ -368,7 +418,12 @@ def _hsdp_split(
     """
     groups = layout.groups_tensor(kind)
     size = groups.shape[1]
-    if not isinstance(replicas, int) or replicas < 1 or size % replicas:
+    if (
+        not isinstance(replicas, int)
+        or isinstance(replicas, bool)
+        or replicas < 1
+        or size % replicas
+    ):
         raise ValueError(
             f"replicas {replicas!r} must be a positive divisor of the {what} size {size}"
         )

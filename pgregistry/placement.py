@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from pgregistry.layout import GROUP_KINDS, RankGroup
+from pgregistry._runtime.integers import non_negative_int, positive_int
+from pgregistry.layout import GROUP_KINDS, RankGroup, require_layout
 
 if TYPE_CHECKING:
     from pgregistry.layout import ParallelLayout
@@ -43,11 +44,15 @@ def node_of(rank: int, gpus_per_node: int) -> int:
     Returns:
         ``rank // gpus_per_node``.
 
+    Raises:
+        ValueError: ``rank`` no integer 0 or more, ``gpus_per_node`` no positive integer (a
+            negative one answered a negative node, a float a float).
+
     Example:
         >>> node_of(13, gpus_per_node=8)
         1
     """
-    return rank // gpus_per_node
+    return non_negative_int(rank, "rank") // positive_int(gpus_per_node, "gpus_per_node")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -241,8 +246,11 @@ def place(
         it should.
 
     Raises:
-        ValueError: ``gpus_per_node`` not a positive integer dividing the world size, a span ending
-            past ``world_size``, or an unknown kind in ``intra_node_kinds``.
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`; ``intra_node_kinds`` a
+            str (its letters are no kinds).
+        ValueError: ``gpus_per_node`` not a positive integer (of any integer type) dividing the
+            world size, a span ending past ``world_size``, or an unknown kind in
+            ``intra_node_kinds``.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -253,13 +261,18 @@ def place(
         >>> [entry.kind for entry in crossing.violations()]
         ['tp', 'expt_tp']
     """
-    if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+    require_layout(layout)
+    gpus_per_node = positive_int(gpus_per_node, "gpus_per_node")
+    if world_size is not None:
+        world_size = positive_int(world_size, "world_size")
+    if isinstance(intra_node_kinds, str):
+        raise TypeError(
+            "intra_node_kinds must be a sequence of group kinds, got the str "
+            f"{intra_node_kinds!r}: pass ({intra_node_kinds!r},)"
+        )
     first, stop = layout.rank_range()
     if world_size is None:
         world = stop
-    elif not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     elif stop > world_size:
         raise ValueError(
             f"the layout spans ranks {first}-{stop - 1} (rank_offset {first} + "

@@ -63,10 +63,11 @@ Torch is imported inside functions only.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -185,6 +186,11 @@ def commit(collection: ProcessGroupCollection) -> None:
     Args:
         collection: the collection the step ran on.
 
+    Raises:
+        TypeError: ``collection`` no collection (a group).
+        ValueError: a destroyed collection (the one before a recovery: commit on
+            :attr:`Recovered.collection`).
+
     Example::
 
         loss.backward()
@@ -196,9 +202,10 @@ def commit(collection: ProcessGroupCollection) -> None:
     import torch.distributed as dist
 
     from pgregistry._runtime.agreement import world_device
+    from pgregistry._runtime.resolve import check_usable
     from pgregistry.collection import group_size
 
-    group = collection.get("intra_dist_opt")
+    group = check_usable(collection, "commit").get("intra_dist_opt")
     if group_size(group) > 1:
         dist.all_reduce(torch.ones(1, dtype=torch.int32, device=world_device()), group=group)
 
@@ -250,10 +257,12 @@ def recover(
 
     from pgregistry import registry
     from pgregistry._runtime.agreement import require_distributed
+    from pgregistry._runtime.integers import plain_int
+    from pgregistry._runtime.resolve import check_usable
 
     global _generation
     require_distributed("pgregistry.recovery.recover")
-    layout = collection.layout
+    layout = check_usable(collection, "recover").layout
     if layout is None:
         raise ValueError(
             "recover needs a collection built by pgregistry.build (it knows its layout)"
@@ -264,12 +273,14 @@ def recover(
             f"recover re-forms the whole world, so the layout must span it: {layout!r} spans ranks "
             f"{layout.rank_offset}-{layout.rank_offset + layout.num_ranks - 1} of {world_size}"
         )
+    committed_step = cast(int, plain_int(committed_step))  # np.int64(5) is step 5
     if isinstance(committed_step, bool) or not isinstance(committed_step, int):
         raise TypeError(
             f"committed_step must be an integer (the last step applied), got {committed_step!r}"
         )
-    if not isinstance(wait, int | float) or isinstance(wait, bool) or not wait > 0:
-        raise ValueError(f"wait must be a positive number of seconds, got {wait!r}")
+    # An infinite wait (lost=None) would wait for ever for a rank that never comes.
+    if not isinstance(wait, int | float) or isinstance(wait, bool) or not 0 < wait < math.inf:
+        raise ValueError(f"wait must be a positive, finite number of seconds, got {wait!r}")
     told = None if lost is None else _as_ranks(lost)
     if told is not None and old_rank in told:
         raise RuntimeError(
@@ -475,6 +486,7 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
         new: the one ``build_optimizer`` built over the same model on :attr:`Recovered.collection`.
 
     Raises:
+        TypeError: an optimizer that is no ``ChainedOptimizer`` (a torch optimizer).
         ValueError: a sharded optimizer (its state was cut over the replicas, and the lost replica's
             piece has no copy: reload a checkpoint); an optimizer whose parameters are of lower
             precision than their main grads (``build_optimizer`` attaches those through grad hooks
@@ -486,8 +498,14 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
         new_optimizer = build_optimizer(model, recovered.collection)
         carry_optimizer_state(optimizer, new_optimizer)
     """
-    from pgregistry.optim import ShardedOptimizer
+    from pgregistry.optim import ChainedOptimizer, ShardedOptimizer
 
+    for argument, optimizer in (("old", old), ("new", new)):
+        if not isinstance(optimizer, ChainedOptimizer):
+            raise TypeError(
+                f"carry_optimizer_state takes the optimizers build_optimizer returns "
+                f"(ChainedOptimizer); {argument} is a {type(optimizer).__name__}"
+            )
     for child in old.chained_optimizers:
         if isinstance(child, ShardedOptimizer):
             raise ValueError(

@@ -48,7 +48,7 @@ import torch
 
 from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
-from pgregistry.layout import ParallelLayout
+from pgregistry.layout import ParallelLayout, require_layout
 
 __all__ = [
     "DATA_PARALLEL_RNG",
@@ -519,7 +519,7 @@ def _rank_seeds(
     progress: Callable[[int], None] | None,
 ) -> Iterator[tuple[int, dict[str, int], dict[str, int]]]:
     """``(rank, coordinates, tracker name -> seed)`` for every rank of ``layout``, in rank order."""
-    _check_layout(layout)
+    require_layout(layout)
     sizes = layout.axis_sizes()
     first = layout.rank_range()[0]
     for rank in range(*layout.rank_range()):
@@ -542,15 +542,6 @@ def _rank_seeds(
                 coords["expt_gtp_remat"],
                 sizes["expt_gtp_remat"],
             ),
-        )
-
-
-def _check_layout(layout: object) -> None:
-    """``TypeError`` for a ``layout`` that is no :class:`ParallelLayout` (``None``, keywords)."""
-    if not isinstance(layout, ParallelLayout):
-        raise TypeError(
-            "layout must be a pgregistry.layout.ParallelLayout (such as "
-            f"ParallelLayout(num_ranks=8, tp=2)), got {type(layout).__name__}"
         )
 
 
@@ -773,7 +764,7 @@ def check_seed_plan_size(
         >>> check_seed_plan_size(ParallelLayout(num_ranks=4, tp=2), 1234)
         (5, 0)
     """
-    _check_layout(layout)
+    require_layout(layout)
     sizes = layout.axis_sizes()
     streams = 0
     active = [t for t in _STREAM_AXES if t not in (GTP_REMAT_RNG, EGTP_REMAT_RNG)]

@@ -1442,6 +1442,130 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/allowlist/test_allowlist_reliability.py::"
                "test_a_directory_that_cannot_be_listed_is_named_not_skipped",),
     ),
+    Mutant(
+        name="frozen-parameter-stepped",
+        bug="a parameter with requires_grad=False given to a flat optimizer is stepped with the rest of its buffer: "
+        "AdamW's weight decay moves it, where torch's optimizers skip it (no grad)",
+        file="pgregistry/optim/_base.py",
+        find="            if not param.requires_grad:\n",
+        replace="            if False:\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::test_a_frozen_parameter_is_refused_naming_it_not_decayed",),
+    ),
+    Mutant(
+        name="float64-rounded-by-float32-main-copies",
+        bug="float32 main copies of a float64 parameter: the optimizer rounds the model's value to float32",
+        file="pgregistry/optim/_base.py",
+        find="            if torch.promote_types(param.dtype, main_dtype) != main_dtype:\n",
+        replace="            if False:\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_float64_parameters_under_float32_main_copies_are_refused_not_rounded",),
+    ),
+    Mutant(
+        name="nan-or-inf-learning-rate-accepted",
+        bug="an optimizer's numbers checked as torch's SGD checks them (lr < 0 refused): an lr, weight decay or "
+        "momentum of NaN, or an infinite one, turns every parameter into NaN at the first step",
+        file="pgregistry/optim/_options.py",
+        find="if number >= 0 and math.isfinite(number)",
+        replace="if not number < 0",
+        tests=tuple(
+            f"tests/optim/test_optim_hostile_inputs.py::test_a_bad_option_is_refused_naming_it_before_anything_is_built"
+            f"[{case}]"
+            for case in ("lr-nan", "lr-inf", "weight-decay-nan", "momentum-nan")
+        ),
+    ),
+    Mutant(
+        name="chained-child-counted-twice",
+        bug="a ChainedOptimizer given one child twice: its grads counted twice in the norm (sqrt(2) times the "
+        "model's) and stepped twice",
+        file="pgregistry/optim/_chained.py",
+        find="            if again:\n",
+        replace="            if False:\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_a_child_chained_twice_or_a_parameter_in_two_children_is_refused_not_counted_twice",),
+    ),
+    Mutant(
+        name="saved-param-group-loaded-unchecked",
+        bug="a flat step loads a saved param group as it is: a NaN lr makes every parameter NaN at the next step, "
+        "another rule's group (Adam's into an SGD) drives the rule",
+        file="pgregistry/optim/_flat_step.py",
+        find="        group_faults = self._param_group_faults(groups[0])\n",
+        replace="        group_faults: list[str] = []\n",
+        tests=tuple(
+            "tests/optim/test_optim_hostile_inputs.py::"
+            f"test_a_saved_param_group_or_step_out_of_range_is_refused_leaving_the_optimizer_unchanged[{case}]"
+            for case in ("lr-nan", "lr-missing", "betas-str")
+        ) + ("tests/optim/test_optim_hostile_inputs.py::"
+             "test_state_saved_by_another_update_rule_is_refused_naming_what_it_lacks",),
+    ),
+    Mutant(
+        name="dcp-save-overwrites-a-checkpoint",
+        bug="save_distributed into a directory holding a checkpoint overwrites it (torch.distributed.checkpoint "
+        "does): the earlier checkpoint lost, or half-replaced by a save that fails",
+        file="pgregistry/checkpoint/_directory.py",
+        find="    if (directory / DCP_METADATA).exists():\n",
+        replace="    if False:\n",
+        tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
+               "test_a_second_save_into_a_checkpoint_or_a_save_into_a_file_is_refused_on_every_rank",),
+    ),
+    Mutant(
+        name="node-of-unchecked",
+        bug="node_of divides whatever it is given: node -2 for 8 GPUs per node given as -8, node 1.0 for rank 3.5",
+        file="pgregistry/placement.py",
+        find='    return non_negative_int(rank, "rank") // positive_int(gpus_per_node, "gpus_per_node")',
+        replace="    return rank // gpus_per_node",
+        tests=("tests/placement/test_placement_arguments.py::"
+               "test_node_of_refuses_what_is_no_rank_or_node_size_instead_of_answering_a_node",),
+    ),
+    Mutant(
+        name="audit-non-finite-spread",
+        bug="the replication audit measures a NaN or an infinity by its spread (NaN): identical non-finite grads on "
+        "every replica listed as a mismatch, 'are the grads synchronised yet?'",
+        file="pgregistry/audit.py",
+        find="            values, codes = _finite_and_codes(flat)\n",
+        replace="            values, codes = flat, torch.zeros_like(flat)\n",
+        tests=("tests/grad_stats/test_audit_non_finite_grads.py::"
+               "test_identical_non_finite_grads_are_replicated_and_differing_ones_are_not",),
+    ),
+    Mutant(
+        name="check-config-of-a-dict-agrees",
+        bug="check_config given a dict (no size attributes) checks nothing: a config of TP 4 agrees with groups of "
+        "one rank",
+        file="pgregistry/interop/megatron.py",
+        find="    if not any(hasattr(config, attribute) for attribute, *_ in _SIZES):\n",
+        replace="    if False:\n",
+        tests=("tests/megatron/test_megatron_arguments.py::"
+               "test_a_config_without_sizes_or_a_collection_of_neither_package_is_refused",),
+    ),
+    Mutant(
+        name="optimizer-options-not-agreed",
+        bug="build_optimizer takes each rank's options as given: replicas given different learning rates step "
+        "alike grads into different parameters, and ranks given different 'sharded' wait for each other",
+        file="pgregistry/optim/_options.py",
+        find="    if values[0] != -values[1]:",
+        replace="    if False:",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_options_that_differ_across_the_ranks_of_one_optimizer_are_refused_on_every_rank",),
+    ),
+    Mutant(
+        name="replicas-of-other-parameters-summed",
+        bug="data-parallel replicas holding other parameters (a parameter frozen on one rank, a model built "
+        "otherwise) build their optimizers, and their grad buffers, padded alike, are all-reduced as if alike",
+        file="pgregistry/optim/_options.py",
+        find="        values[2 + index] = max(values[2 + index], int(top != -negated_bottom))\n",
+        replace="",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_replicas_holding_other_parameters_are_refused_on_every_rank",),
+    ),
+    Mutant(
+        name="factory-lr-ignored",
+        bug="build_optimizer given a factory and lr=3e-4 steps with the factory's own lr (AdamW's 1e-3), and "
+        "momentum given for Adam is dropped, without a word",
+        file="pgregistry/optim/_options.py",
+        find="    if not ignored:\n        return\n",
+        replace="    return\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_an_option_the_rule_does_not_read_is_refused_not_ignored",),
+    ),
 )
 
 

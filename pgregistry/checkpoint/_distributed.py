@@ -25,7 +25,8 @@ from pgregistry.checkpoint._by_name import (
     param_name_of_key,
     prepare_flat_state_load,
 )
-from pgregistry.checkpoint._strict import Stored, refuse_misfits
+from pgregistry.checkpoint._directory import checkpoint_path, refuse_an_existing_dcp_checkpoint
+from pgregistry.checkpoint._strict import Stored, check_strict, refuse_misfits
 from pgregistry.experts._names import NamingOptions
 
 if TYPE_CHECKING:
@@ -51,14 +52,17 @@ def save_distributed(
     Collective over the ranks of the model's collection: the world, or a module's span.
 
     Args:
-        directory: the checkpoint's directory.
+        directory: a fresh directory for this checkpoint (made if missing).
         model_chunks: the model, or its pipeline chunks.
         optimizer: its optimizer, whose state is saved too (default: parameters only).
         **naming: ``pg_collection``, ``num_experts``, ``layer_offsets``
             (:class:`~pgregistry.experts._names.NamingOptions`).
 
     Raises:
-        ValueError: on every rank, a model :func:`state_by_name` refuses.
+        TypeError: ``directory`` no path.
+        ValueError: an empty ``directory``; on every rank, nothing written: a model
+            :func:`state_by_name` refuses, a ``directory`` that already holds a checkpoint (save to
+            a new directory, or remove the old checkpoint first) or is no directory.
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
             directory and the ranks that did not answer named.
 
@@ -68,9 +72,16 @@ def save_distributed(
     """
     import torch.distributed.checkpoint as dcp
 
+    directory = checkpoint_path(directory, "save_distributed")
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("save_distributed", directory, scope):
         model = agree_on_rank_model(model_chunks, "save_distributed", naming, scope)
+        # Every rank looks before any rank writes: the look is followed by one all-reduce.
+        run_agreed_step(
+            lambda: refuse_an_existing_dcp_checkpoint(directory),
+            ValueError(f"another rank refused the checkpoint directory {directory}"),
+            scope,
+        )
         state = flat_state(model, optimizer, primary_only=True)
         if scope.span is not None:
             state[IDENTITY_KEY] = json.dumps(
@@ -116,6 +127,8 @@ def load_distributed(
     """
     import torch.distributed.checkpoint as dcp
 
+    directory = checkpoint_path(directory, "load_distributed")
+    check_strict(strict, "load_distributed")
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("load_distributed", directory, scope):
         model = agree_on_rank_model(model_chunks, "load_distributed", naming, scope)

@@ -26,7 +26,9 @@ from pgregistry.checkpoint._agreement import (
     raise_on_every_rank,
     scope_of,
 )
+from pgregistry.checkpoint._directory import checkpoint_path
 from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
+from pgregistry.checkpoint._strict import check_strict
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
 from pgregistry.optim._state_check import first_few_quoted, refuse_faults
@@ -207,6 +209,7 @@ def save_optimizer_shards(
 
         save_optimizer_shards("ckpt/step-100", optimizer)
     """
+    directory = checkpoint_path(directory, "save_optimizer_shards")
     shards: dict[str, Any] = {}
     children = _require_sharded_children(optimizer, "save_optimizer_shards")
     for child in children:
@@ -254,6 +257,8 @@ def load_optimizer_shards(
 
         load_optimizer_shards("ckpt/step-100", optimizer_on_another_layout)
     """
+    directory = checkpoint_path(directory, "load_optimizer_shards")
+    check_strict(strict, "load_optimizer_shards")
     children = _require_sharded_children(optimizer, "load_optimizer_shards")
     scope = _checkpoint_scope(children)
     with name_lost_ranks("load_optimizer_shards", directory, scope):
@@ -264,7 +269,7 @@ def load_optimizer_shards(
         saved: list[str] = []
         held: set[str] = set()
         try:
-            files = read_rank_contents(Path(directory), _OPTIMIZER_FILE, scope)
+            files = read_rank_contents(directory, _OPTIMIZER_FILE, scope)
             saved = sorted({name for rank_file in files for name in rank_file.state})
             loads: list[dict[str, Any]] = []
             for child in children:

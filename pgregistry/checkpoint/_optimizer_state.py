@@ -18,7 +18,7 @@ from pgregistry.checkpoint._by_name import (
     checkpoint_scope,
     prepare_optimizer_load,
 )
-from pgregistry.checkpoint._strict import Stored, refuse_misfits
+from pgregistry.checkpoint._strict import Stored, check_strict, refuse_misfits
 from pgregistry.experts._names import NamingOptions
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ def load_optimizer_state_by_name(
         load_optimizer_state_by_name(new_optimizer, new_model, saved)
     """
     owner = "load_optimizer_state_by_name"
+    check_strict(strict, owner)
     scope = checkpoint_scope(model_chunks, naming)
     model = agree_on_rank_model(model_chunks, owner, naming, scope)
     stored = run_agreed_step(

@@ -55,9 +55,14 @@ from pgregistry.checkpoint._by_name import (
     param_name_of_key,
     prepare_flat_state_load,
 )
+from pgregistry.checkpoint._directory import (
+    checkpoint_path,
+    kind_of_non_directory,
+    refuse_a_file,
+)
 from pgregistry.checkpoint._disk import partial_path, rename_durably, write_partial
 from pgregistry.checkpoint._integrity import checksums_of, find_damaged_tensors
-from pgregistry.checkpoint._strict import Stored, refuse_misfits
+from pgregistry.checkpoint._strict import Stored, check_strict, refuse_misfits
 from pgregistry.experts._names import NamingOptions
 
 if TYPE_CHECKING:
@@ -121,10 +126,13 @@ def save_rank_files(
         The path of the file this rank wrote.
 
     Raises:
-        ValueError: on every rank, nothing written: ``directory`` already holds ``rank-<rank>.pt``
-            files (remove the old checkpoint first or save elsewhere), a model :func:`state_by_name`
-            refuses, or a rank failing to write (its error names the file and the disk; every rank
-            removes its file).
+        TypeError: ``directory`` no path.
+        ValueError: an empty ``directory``; on every rank, nothing written: ``directory`` already
+            holds ``rank-<rank>.pt`` files (remove the old checkpoint first or save elsewhere), a
+            model :func:`state_by_name` refuses, or a rank failing to write (its error names the
+            file and the disk; every rank removes its file).
+        OSError: ``directory`` no directory (a regular file: ``NotADirectoryError`` naming it) or
+            one this rank cannot make; every other rank ``RuntimeError``.
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
             directory and the ranks that did not answer named.
 
@@ -133,6 +141,7 @@ def save_rank_files(
         save_rank_files("ckpt/step-100", model, optimizer)
         load_rank_files("ckpt/step-100", model_on_another_layout, its_optimizer)
     """
+    directory = checkpoint_path(directory, "save_rank_files")
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("save_rank_files", directory, scope):
         model = agree_on_rank_model(model_chunks, "save_rank_files", naming, scope)
@@ -205,6 +214,7 @@ def _refuse_existing(directory: Path, prefix: str, scope: Scope) -> None:
     (none waits in it for ever).
     """
     try:
+        refuse_a_file(directory)
         directory.mkdir(parents=True, exist_ok=True)
         found, error = _rank_file_paths(directory, prefix), None
     except OSError as exc:
@@ -270,7 +280,11 @@ def read_rank_contents(directory: Path, prefix: str, scope: Scope) -> list[RankF
     world.
     """
     if not directory.is_dir():
-        raise ValueError(f"no checkpoint directory {directory}")
+        kind = kind_of_non_directory(directory)
+        raise ValueError(
+            f"no checkpoint directory {directory}"
+            + (f" (it is {kind}, not a directory)" if kind is not None else "")
+        )
     paths = _rank_file_paths(directory, prefix)
     if not paths:
         raise ValueError(f"no {prefix}<rank>.pt files in {directory}")
@@ -370,7 +384,9 @@ def load_rank_files(
             (:class:`~pgregistry.experts._names.NamingOptions`).
 
     Raises:
-        ValueError: on every rank, before anything is copied: a parameter of a rank's model missing
+        TypeError: ``directory`` no path, ``strict`` no bool.
+        ValueError: an empty ``directory``; on every rank, before anything is copied: a parameter
+            of a rank's model missing
             from the checkpoint or stored in another shape, or (``strict``) in another dtype; a
             parameter no rank's model holds or a key that is no parameter (``strict``);
             ``optimizer`` given, no optimizer state for a parameter it updates (saved without an
@@ -399,7 +415,8 @@ def prepare_rank_files_load(
 
     The checks are collective, raising on every rank alike. A job loading several modules checks
     them all before it copies into any (:func:`pgregistry.modules.load_checkpoint`)."""
-    directory = Path(directory)
+    directory = checkpoint_path(directory, "load_rank_files")
+    check_strict(strict, "load_rank_files")
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("load_rank_files", directory, scope):
         model = agree_on_rank_model(model_chunks, "load_rank_files", naming, scope)

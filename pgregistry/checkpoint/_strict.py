@@ -46,7 +46,7 @@ from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._param_state import as_param_state_optimizer
 from pgregistry.optim._state_check import first_few_quoted
 
-__all__ = ["Stored", "refuse_misfits"]
+__all__ = ["Stored", "check_strict", "refuse_misfits"]
 
 _SHOWN: Final = 5
 """How many names a refusal quotes."""
@@ -66,6 +66,17 @@ class Stored:
         if isinstance(value, torch.Tensor):
             return cls(tuple(value.shape), value.dtype)
         return cls()
+
+
+def check_strict(strict: object, owner: str) -> None:
+    """``TypeError`` unless ``strict`` is ``True`` or ``False``.
+
+    ``strict=None`` (or ``0``) read as false loaded a subset without a word; checked before any
+    collective."""
+    if not isinstance(strict, bool):
+        raise TypeError(
+            f"{owner}: strict must be True or False, got {strict!r} ({type(strict).__name__})"
+        )
 
 
 def refuse_misfits(

@@ -53,6 +53,7 @@ from pgregistry.interop._megatron_grids import (
     from_hyper_comm_grid,
     modules_from_reports,
 )
+from pgregistry.layout import require_layout
 
 if TYPE_CHECKING:
     from torch import nn
@@ -376,6 +377,7 @@ def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
         others.
 
     Raises:
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
         ValueError: a GTP size above 1 the installed Megatron-Core cannot express.
 
     Example::
@@ -403,6 +405,7 @@ def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
         Keyword -> value: the sizes and ``order``.
 
     Raises:
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
         ValueError: a GTP size above 1 the installed Megatron-Core cannot express.
 
     Example::
@@ -421,6 +424,7 @@ def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
 def _sizes_by_name(
     layout: ParallelLayout, names: dict[str, str], known: set[str], where: str
 ) -> dict[str, int]:
+    require_layout(layout)
     out: dict[str, int] = {}
     for config, _, attribute, _ in _SIZES:
         size = int(getattr(layout, attribute))
@@ -448,12 +452,29 @@ def check_config(config: Any, pg_collection: Any) -> None:
         pg_collection: the collection, pgregistry's or Megatron-Core's.
 
     Raises:
-        ValueError: every mismatch, listed in one message.
+        TypeError: ``config`` without any of the size attributes (a dict, ``None``: every one-rank
+            group matched it), ``pg_collection`` neither package's collection.
+        ValueError: every mismatch, listed in one message (a size that is no integer, such as
+            ``'2'``, quoted as given).
 
     Example::
 
         check_config(model.config, pg)
     """
+    if not isinstance(pg_collection, ProcessGroupCollection) and not isinstance(
+        pg_collection, _megatron_collection_type()
+    ):
+        raise TypeError(
+            "check_config takes pgregistry's or Megatron-Core's ProcessGroupCollection, got "
+            f"{type(pg_collection).__name__}"
+        )
+    # A dict (or None) has none of the attributes, and every group of one rank then matched it.
+    if not any(hasattr(config, attribute) for attribute, *_ in _SIZES):
+        raise TypeError(
+            f"config has none of TransformerConfig's parallel sizes (got a "
+            f"{type(config).__name__}): pass the TransformerConfig (a dict as "
+            "types.SimpleNamespace(**sizes))"
+        )
     problems: list[str] = []
     for attribute, _, _, field in _SIZES:
         provided, group = _group_in(pg_collection, field)
@@ -467,10 +488,10 @@ def check_config(config: Any, pg_collection: Any) -> None:
             want = config.tensor_model_parallel_size
         if not provided:
             problems.append(
-                f"config.{attribute} = {want} but the collection does not provide {field!r}"
+                f"config.{attribute} = {want!r} but the collection does not provide {field!r}"
             )
         elif group_size(group) != want:
-            problems.append(f"config.{attribute} = {want} but {has}")
+            problems.append(f"config.{attribute} = {want!r} but {has}")
     if problems:
         raise ValueError(
             "the Megatron-Core config disagrees with the process groups: " + "; ".join(problems)

@@ -48,6 +48,7 @@ from pgregistry._runtime.logger import get_logger
 from pgregistry._runtime.resolve import check_usable
 from pgregistry.collection import NOT_MEMBER, UNSET, GroupName, ProcessGroupCollection, group_size
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
+from pgregistry.mesh import device_type_problem
 
 if TYPE_CHECKING:
     import torch
@@ -284,7 +285,7 @@ def to_parallel_dims(
             express (expert TP other than 1 under EP, GTP remat, EP not dividing ``dp_shard x cp x
             tp``, an order giving other rank sets); a layout over part of the world; a collection
             field missing or holding other ranks than torchtitan's; a collection without a layout
-            (assembled by hand).
+            (assembled by hand); a ``device_type`` that is no torch device type (``"gpu"``).
 
     Example::
 
@@ -314,6 +315,9 @@ def to_parallel_dims(
         "timeout": repr(timeout),
     }
     problems = _usable_problems(collection)
+    device_problem = device_type_problem(device)
+    if device_problem is not None:
+        problems.append(device_problem)
     if not problems:
         assert layout is not None  # a collection without one is a problem above
         sizes, problems = _sizes_of_layout(layout, collection, spmd_backend)

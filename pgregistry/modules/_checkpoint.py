@@ -20,7 +20,9 @@ from typing import Any
 from pgregistry._runtime.agreement import check_agreement
 from pgregistry.checkpoint import save_rank_files
 from pgregistry.checkpoint._agreement import name_lost_ranks, world_scope
+from pgregistry.checkpoint._directory import checkpoint_path
 from pgregistry.checkpoint._rank_files import prepare_rank_files_load
+from pgregistry.checkpoint._strict import check_strict
 from pgregistry.experts._names import NamingOptions, check_naming_options
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._optimizer import MultiModuleOptimizer
@@ -67,7 +69,7 @@ def save_checkpoint(
 
         save_checkpoint("ckpt/step-100", models_here, modules, optimizer)
     """
-    directory = Path(directory)
+    directory = checkpoint_path(directory, "pgregistry.modules.save_checkpoint")
     _run_per_module("save", directory, models, modules, optimizer, naming, save_rank_files)
     return directory
 
@@ -105,7 +107,9 @@ def load_checkpoint(
         load_checkpoint("ckpt/step-100", models_here, modules, optimizer)
     """
     prepare = functools.partial(prepare_rank_files_load, strict=strict)
-    copies = _run_per_module("load", Path(directory), models, modules, optimizer, naming, prepare)
+    directory = checkpoint_path(directory, "pgregistry.modules.load_checkpoint")
+    check_strict(strict, "pgregistry.modules.load_checkpoint")
+    copies = _run_per_module("load", directory, models, modules, optimizer, naming, prepare)
     for copy in copies:
         copy()
 

@@ -14,21 +14,14 @@ options' values where they are plain data, their types where they are code.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from pgregistry._runtime.agreement import Fault, combine_faults
-from pgregistry.grad_stats._arguments import real_number
 from pgregistry.optim import build_optimizer as build_module_optimizer
+from pgregistry.optim._options import describe_options, option_error
 
 __all__ = ["describe_options", "options_error"]
-
-_NAMES = ("adam", "adamw", "sgd")
-"""The update rules :func:`pgregistry.optim.build_optimizer` names."""
-
-_NON_NEGATIVE = ("lr", "weight_decay", "eps", "momentum")
-_FLAGS = ("mixed_precision", "sharded")
 
 
 def options_error(
@@ -55,28 +48,6 @@ def options_error(
     return combine_faults(*faults)
 
 
-def describe_options(options: Mapping[str, Any]) -> str:
-    """``options`` as a text every rank given the same ones writes alike.
-
-    Values that are plain data by their repr, code (a factory, a ``param_name_fn``) by its type,
-    whose repr would carry an address that differs by process."""
-    return (
-        "{"
-        + ", ".join(
-            f"{option}={_describe_value(value)}" for option, value in sorted(options.items())
-        )
-        + "}"
-    )
-
-
-def _describe_value(value: Any) -> str:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_describe_value(item) for item in value) + ")"
-    return f"<{type(value).__qualname__}>"
-
-
 def _option_keywords() -> set[str]:
     """The keywords of :func:`pgregistry.optim.build_optimizer` that options may set."""
     parameters = inspect.signature(build_module_optimizer).parameters.values()
@@ -92,35 +63,4 @@ def _option_error(option: str, value: Any) -> Exception | None:
             f"{option!r} is no option of pgregistry.optim.build_optimizer "
             f"({sorted(_option_keywords())})"
         )
-    shown = f"{value!r} ({type(value).__name__})"
-    if option in _NON_NEGATIVE:
-        number = real_number(value)
-        if number is None:
-            return TypeError(f"{option} must be a number, got {shown}")
-        return (
-            None
-            if number >= 0 and math.isfinite(number)
-            else ValueError(f"{option} must be a non-negative, finite number, got {value!r}")
-        )
-    if option == "betas":
-        pair = list(value) if isinstance(value, (tuple, list)) else None
-        if pair is None or len(pair) != 2 or any(real_number(b) is None for b in pair):
-            return TypeError(f"betas must be a pair of numbers, got {shown}")
-        return (
-            None
-            if all(0 <= real_number(b) < 1 for b in pair)  # type: ignore[operator]
-            else ValueError(f"betas must each be in [0, 1), got {value!r}")
-        )
-    if option in _FLAGS and not isinstance(value, bool):
-        return TypeError(f"{option} must be True or False, got {shown}")
-    if option == "bucket_numel" and value is not None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            return TypeError(
-                f"bucket_numel must be a whole number of elements or None, got {shown}"
-            )
-        return None if value > 0 else ValueError(f"bucket_numel must be positive, got {value!r}")
-    if option == "optimizer" and not callable(value) and value not in _NAMES:
-        return ValueError(f"optimizer must be one of {list(_NAMES)} or a factory, got {value!r}")
-    if option == "param_name_fn" and value is not None and not callable(value):
-        return TypeError(f"param_name_fn must be a function of a parameter or None, got {shown}")
-    return None
+    return option_error(option, value)

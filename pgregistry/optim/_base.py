@@ -57,7 +57,7 @@ from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, Flat
 from pgregistry.optim._grad_buffer import GradBuffer, Span, span_shares
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
-from pgregistry.optim._state_check import refuse_agreed
+from pgregistry.optim._state_check import param_state_key_faults, refuse_agreed
 from pgregistry.params import is_expert_param
 
 if TYPE_CHECKING:
@@ -155,12 +155,15 @@ class FlatOptimizer(OptimizerStatistics):
             returned.
         expert: Whether ``params`` are routed-expert parameters.
         param_name_fn: Names a parameter in messages (``None``: ``param[i]``, its position).
+        inner: The factory of the update rule (checked here, used by the subclass).
 
     Raises:
         ValueError: A parameter listed twice; a parameter of the other kind than ``expert`` says
-            (named; give each kind its own optimizer, as ``build_optimizer`` does).
+            (named; give each kind its own optimizer, as ``build_optimizer`` does); a frozen one
+            (``requires_grad=False``, named); parameters on several devices.
         TypeError: A parameter that is not a floating-point tensor (named), or groups not made by
-            ``setup_process_groups_for_optimizer``.
+            ``setup_process_groups_for_optimizer``; ``params`` a tensor or module (not an iterable
+            of parameters), ``expert`` no bool, ``inner`` not callable.
     """
 
     def __init__(
@@ -170,7 +173,24 @@ class FlatOptimizer(OptimizerStatistics):
         *,
         expert: bool,
         param_name_fn: ParamNameFn | None,
+        inner: InnerFactory,
     ) -> None:
+        if isinstance(params, (torch.Tensor, torch.nn.Module)):
+            # Iterating a tensor gives its rows (views the optimizer would step instead of it).
+            raise TypeError(
+                f"params must be an iterable of parameters, got a {type(params).__name__}: pass "
+                "list(model.parameters()), or [tensor] for one tensor"
+            )
+        if not isinstance(expert, bool):
+            raise TypeError(
+                f"expert must be True or False, got {expert!r} ({type(expert).__name__})"
+            )
+        if not callable(inner):
+            raise TypeError(
+                f"inner must be a factory of the update rule over the tensors to step "
+                f"(inner_factory('adam', lr=1e-3), functools.partial(torch.optim.Adam, lr=1e-3)), "
+                f"got {inner!r} ({type(inner).__name__})"
+            )
         self.params: list[torch.Tensor] = list(params)
         """The parameters this optimizer updates (one kind: all dense or all routed experts)."""
         self.expert = expert
@@ -181,6 +201,14 @@ class FlatOptimizer(OptimizerStatistics):
         for param in self.params:
             if not isinstance(param, torch.Tensor) or not param.is_floating_point():
                 raise TypeError(f"{self.param_name(param)} is not a floating-point tensor")
+            if not param.requires_grad:
+                # torch's optimizers skip a parameter whose .grad is None; a flat step updates
+                # every element of its buffer, so weight decay or momentum would move it.
+                raise ValueError(
+                    f"{self.param_name(param)} has requires_grad=False: this optimizer steps every "
+                    "parameter it is given (weight decay and momentum would change a frozen one); "
+                    "give it the trainable parameters only (build_optimizer does)"
+                )
             if is_expert_param(param) != expert:
                 kind = "a routed-expert" if is_expert_param(param) else "a dense"
                 raise ValueError(
@@ -188,6 +216,13 @@ class FlatOptimizer(OptimizerStatistics):
                     f"optimizer was built with expert={expert}; give dense and "
                     "expert parameters to separate optimizers (build_optimizer does)"
                 )
+        devices = {param.device for param in self.params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"the parameters lie on {len(devices)} devices ({sorted(map(str, devices))}), "
+                "and an optimizer's flat buffers on one: move the model to one device first, or "
+                "give each device's parameters their own optimizer"
+            )
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(
                 f"{type(self).__name__} takes the groups "
@@ -266,6 +301,25 @@ class FlatOptimizer(OptimizerStatistics):
                     "it (replaced after the optimizer was built, e.g. by module.to() or "
                     "param.data = ...); the optimizer would update its buffer, not the "
                     "parameter: build the optimizer after moving the model"
+                )
+
+    def _check_main_dtype(self, main_dtype: torch.dtype) -> None:
+        """Refuse main copies of ``main_dtype`` that would round a parameter.
+
+        A float64 parameter under float32 main copies (``build_optimizer``'s default mixed
+        precision) would be stepped, and written back, as float32: its value rounded, silently."""
+        if not isinstance(main_dtype, torch.dtype) or not main_dtype.is_floating_point:
+            raise TypeError(
+                f"main_dtype must be a floating-point torch.dtype (torch.float32) or None, got "
+                f"{main_dtype!r}"
+            )
+        for param in self.params:
+            if torch.promote_types(param.dtype, main_dtype) != main_dtype:
+                raise ValueError(
+                    f"{self.param_name(param)} is {param.dtype}, which main copies of "
+                    f"{main_dtype} would round: give a main_dtype that holds {param.dtype}, or "
+                    "main_dtype=None (build_optimizer's mixed_precision=False) for a model of "
+                    "that dtype"
                 )
 
     def _buffer_device(self) -> torch.device:
@@ -415,7 +469,7 @@ class FlatOptimizer(OptimizerStatistics):
         (``ValueError``) on every rank of :meth:`load_groups` before any rank changes anything."""
         refuse_agreed(
             f"{type(self).__name__}.load_param_state",
-            self.param_state_faults(state),
+            param_state_key_faults(state) or self.param_state_faults(state),
             self.load_groups(),
         )
         self._load_checked_param_state(state)

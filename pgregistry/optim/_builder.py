@@ -25,6 +25,13 @@ from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._flat_step import ElementwiseRule
 from pgregistry.optim._mixed_precision import MixedPrecisionOptimizer
+from pgregistry.optim._options import (
+    Replicas,
+    agree_options,
+    check_options,
+    refuse_ignored_options,
+    structure_of,
+)
 from pgregistry.optim._setup import (
     check_instance_holds_stats_groups,
     optimizer_collection,
@@ -64,13 +71,25 @@ def inner_factory(
         The factory, for the ``inner`` argument of the optimizers.
 
     Raises:
-        ValueError: an unknown ``optimizer`` name.
+        TypeError: a number that is none (``None``, a string, a bool), or ``betas`` no pair.
+        ValueError: an unknown ``optimizer`` name; a number that is negative, NaN or infinite, a
+            beta outside [0, 1); a number the rule does not read (``momentum`` for Adam).
 
     Example::
 
         inner = inner_factory("adamw", lr=3e-4, weight_decay=0.1)
         optimizer = MixedPrecisionOptimizer(params, groups, inner=inner)
     """
+    options = {
+        "optimizer": optimizer,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "betas": betas,
+        "eps": eps,
+        "momentum": momentum,
+    }
+    check_options(options)
+    refuse_ignored_options(optimizer, options, inner_factory.__kwdefaults__ or {})
     if optimizer == "adam":
         return ElementwiseRule(
             torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -137,12 +156,23 @@ def build_optimizer(
         The chained optimizer of the one or two children.
 
     Raises:
-        TypeError: ``model`` not a model or model chunks; on every rank of the statistics group, a
+        TypeError: an option of the wrong type (``lr=None``, ``sharded='no'``,
+            ``bucket_numel=True``, an ``optimizer`` that is neither a name nor a factory), named
+            before anything is built;
+            ``model`` not a model or model chunks; on every rank of the statistics group, a
             rank holding a parameter that is not floating-point (a complex one: the flat buffers
             hold real grads), named on that rank.
         ValueError: an unclassified expert parameter (named); a collection missing a group the
             optimizer needs (named); a sharded build whose ``intra_dist_opt`` does not hold the
-            statistics groups; a model without trainable parameters; an unknown ``optimizer`` name.
+            statistics groups; a model without trainable parameters; an unknown ``optimizer`` name;
+            on every rank of the optimizer's instance, options that differ across its ranks (an
+            ``lr`` read from each rank's environment: replicas would diverge);
+            a number the rule does not read, given (``lr`` with a factory as ``optimizer``: the
+            factory's own lr stepped; ``momentum`` for Adam, ``betas`` for SGD);
+            a number out of its range (NaN, infinite or negative ``lr``, ``eps``, ``weight_decay``,
+            ``momentum``; a beta outside [0, 1); ``bucket_numel`` not positive), named; on every
+            rank of the statistics group, float64 parameters under ``mixed_precision=True`` (their
+            float32 main copies would round them), named on the ranks holding them.
 
     Example::
 
@@ -150,16 +180,50 @@ def build_optimizer(
         clip_grad_norm_(model, 1.0, pg)
         optimizer.step()
     """
+    options = {
+        "optimizer": optimizer,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "betas": betas,
+        "eps": eps,
+        "momentum": momentum,
+        "mixed_precision": mixed_precision,
+        "sharded": sharded,
+        "bucket_numel": bucket_numel,
+        "param_name_fn": param_name_fn,
+    }
+    check_options(options)
+    refuse_ignored_options(optimizer, options, build_optimizer.__kwdefaults__ or {})
     params = normalise_model(model, "build_optimizer")
     collection = optimizer_collection(pg_collection, params, owner="build_optimizer")
     require_classified_experts(params, collection)
     process_groups = optimizer_process_groups(
         collection, params.chunks, use_distributed_optimizer=sharded
     )
+    named = [(name, p) for name, p in params.named if p.requires_grad]
+    # Over the replicas (dp_cp, expt_dp), then the rest of the grid (mp, the expert model-parallel
+    # group): every rank of the instance, before the first collective that depends on the options
+    # (a sharded build's).
+    agree_options(
+        options,
+        (
+            Replicas(
+                process_groups.dp_cp,
+                process_groups.mp,
+                structure_of([(n, p) for n, p in named if not is_expert_param(p)]),
+                "dense",
+            ),
+            Replicas(
+                process_groups.expt_dp,
+                process_groups.stats.expert_reduce,
+                structure_of([(n, p) for n, p in named if is_expert_param(p)]),
+                "expert",
+            ),
+        ),
+    )
     if sharded:
         check_instance_holds_stats_groups(process_groups)
     stats_groups = process_groups.stats
-    named = [(name, p) for name, p in params.named if p.requires_grad]
     names = {id(p): name for name, p in named}
     name_fn = param_name_fn or (lambda p: names[id(p)])
     if isinstance(optimizer, str):
@@ -173,14 +237,19 @@ def build_optimizer(
     # Refused on every rank of the first child's group, in the all-reduce that decides whether it
     # exists: a rank raising alone would leave the others waiting in the second child's.
     refused = [name for name, p in named if not p.is_floating_point()]
+    rounded = [
+        name
+        for name, p in named
+        if main_dtype is not None and torch.promote_types(p.dtype, main_dtype) != main_dtype
+    ]
     for expert in (False, True):
         kind = [p for _, p in named if is_expert_param(p) == expert]
         if sharded:
             stats_group = process_groups.intra_dist_opt
         else:
             stats_group = stats_groups.expert_reduce if expert else stats_groups.dense_reduce
-        has, anyone_refused = any_rank_has_each(
-            (bool(kind), bool(refused) and not expert), stats_group
+        has, anyone_refused, anyone_rounded = any_rank_has_each(
+            (bool(kind), bool(refused) and not expert, bool(rounded) and not expert), stats_group
         )
         if anyone_refused:
             here = f"here: {refused}" if refused else "none here"
@@ -188,6 +257,13 @@ def build_optimizer(
                 "build_optimizer steps floating-point parameters only (its flat buffers hold real "
                 f"grads), and a rank of the optimizer holds others ({here}, e.g. complex ones); "
                 "keep them out of the optimizer or step them as real views (torch.view_as_real)"
+            )
+        if anyone_rounded:
+            here = f"here: {rounded}" if rounded else "none here"
+            raise ValueError(
+                "mixed_precision=True keeps float32 main copies, which would round the float64 "
+                f"parameters a rank of the optimizer holds ({here}); build with "
+                "mixed_precision=False to step them in float64"
             )
         if not has:
             continue

@@ -17,7 +17,7 @@ import torch
 
 from pgregistry.optim._base import FlatOptimizer, OptimizerStatistics
 from pgregistry.optim._param_state import ParamState
-from pgregistry.optim._state_check import refuse_agreed
+from pgregistry.optim._state_check import param_state_key_faults, refuse_agreed
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -37,6 +37,10 @@ class ChainedOptimizer(OptimizerStatistics):
     Raises:
         ValueError: no child.
 
+    Raises:
+        ValueError: no children; a child twice, or a parameter in two children (named).
+        TypeError: a child that is no pgregistry flat optimizer.
+
     Example::
 
         dense = MixedPrecisionOptimizer(dense_params, groups, inner=inner)
@@ -45,9 +49,34 @@ class ChainedOptimizer(OptimizerStatistics):
     """
 
     def __init__(self, children: Sequence[FlatOptimizer]) -> None:
+        children = list(children)
         if not children:
             raise ValueError("ChainedOptimizer needs at least one child optimizer")
-        self.chained_optimizers: list[FlatOptimizer] = list(children)
+        for index, child in enumerate(children):
+            if not isinstance(child, FlatOptimizer):
+                raise TypeError(
+                    f"child {index} is a {type(child).__name__}; ChainedOptimizer chains "
+                    "pgregistry's flat optimizers (MixedPrecisionOptimizer, ShardedOptimizer)"
+                )
+        # A child twice, or a parameter in two children, would be counted twice in the norm
+        # (sqrt(2) times it) and stepped twice.
+        owner: dict[int, int] = {}
+        for index, child in enumerate(children):
+            again = [j for j, earlier in enumerate(children[:index]) if earlier is child]
+            if again:
+                raise ValueError(
+                    f"child {index} is child {again[0]} again: each child is chained once (its "
+                    "grads would be counted twice in the norm and stepped twice)"
+                )
+            for param in child.params:
+                first = owner.setdefault(id(param), index)
+                if first != index:
+                    raise ValueError(
+                        f"{child.param_name(param)} is a parameter of children {first} and "
+                        f"{index}: each parameter belongs to one child (the child built last took "
+                        "its data and grad; the other steps a stale copy)"
+                    )
+        self.chained_optimizers: list[FlatOptimizer] = children
         """The children, in order (Megatron-Core's attribute name)."""
 
     def stats_reduce_groups(self) -> tuple[ProcessGroup | None, ...]:
@@ -158,7 +187,9 @@ class ChainedOptimizer(OptimizerStatistics):
         Strict as :meth:`load_state_dict`: every child is checked, and the ranks of
         :meth:`load_groups` agree, before any child loads."""
         refuse_agreed(
-            "ChainedOptimizer.load_param_state", self.param_state_faults(state), self.load_groups()
+            "ChainedOptimizer.load_param_state",
+            param_state_key_faults(state) or self.param_state_faults(state),
+            self.load_groups(),
         )
         for child in self.chained_optimizers:
             child._load_checked_param_state(state)

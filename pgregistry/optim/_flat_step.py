@@ -38,8 +38,10 @@ from typing import Any
 import attrs
 import torch
 
+from pgregistry.grad_stats._arguments import real_number
 from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._fused_step import FusedStep, kernel_can_step
+from pgregistry.optim._options import option_error
 from pgregistry.optim._state_check import refuse_faults
 
 __all__ = ["FLAT_DTYPES", "ElementwiseRule", "FlatStep", "PER_PARAMETER_KEYS"]
@@ -131,8 +133,9 @@ class FlatStep:
         copies: What to write after each step (lower-precision model params).
 
     Raises:
-        ValueError: A main param or a copy outside ``flat`` (its range named), or a copy's target
-            not a contiguous 1-d tensor.
+        ValueError: A main param or a copy outside ``flat`` (its range named), a main param that is
+            not the view of ``flat`` at its start, or a copy's target not a contiguous 1-d tensor.
+        TypeError: ``rule`` no :class:`ElementwiseRule`.
 
     Example::
 
@@ -151,6 +154,13 @@ class FlatStep:
         starts: Sequence[int],
         copies: Sequence[Copy] = (),
     ) -> None:
+        if not isinstance(rule, ElementwiseRule):
+            raise TypeError(
+                f"rule must be an ElementwiseRule (inner_factory returns one), got "
+                f"{type(rule).__name__}"
+            )
+        self.rule = rule
+        """The update rule; its hyperparameters are what a loaded param group must hold."""
         self.flat = flat
         self.mains: tuple[torch.Tensor, ...] = tuple(mains)
         """The main params, in the order the state dict numbers them."""
@@ -159,10 +169,18 @@ class FlatStep:
         self._slots = tuple(
             _Slot(start, tuple(main.shape)) for main, start in zip(mains, starts, strict=True)
         )
-        for slot in self._slots:
+        for index, (main, slot) in enumerate(zip(self.mains, self._slots, strict=True)):
             if slot.start < 0 or slot.stop > flat.numel():
                 raise ValueError(
                     f"a main param [{slot.start}, {slot.stop}) lies outside the flat tensor"
+                )
+            at = flat.data_ptr() + slot.start * flat.element_size()
+            if main.numel() and (main.data_ptr() != at or not main.is_contiguous()):
+                # The state dict slices the flat state at ``starts``: another place would give
+                # each parameter another one's state.
+                raise ValueError(
+                    f"main param {index} is not the view flat[{slot.start}:{slot.stop}] its start "
+                    "says: give each main param's own first element in starts"
                 )
         self.copies: tuple[Copy, ...] = tuple(copies)
         """What :meth:`step` writes after stepping."""
@@ -251,6 +269,9 @@ class FlatStep:
                 f"the state dict holds param groups of {sizes} parameters; this "
                 f"optimizer steps one group of {len(self._slots)} parameters"
             ]
+        group_faults = self._param_group_faults(groups[0])
+        if group_faults:
+            return group_faults
         per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]
         if not any(per_param):
             return []
@@ -264,6 +285,12 @@ class FlatStep:
         for key in sorted(keys if not faults else ()):
             values = [entry[key] for entry in per_param]
             if key in PER_PARAMETER_KEYS:
+                if _step_count(values[0]) is None:
+                    faults.append(
+                        f"optimizer state {key!r} of parameter 0 is {values[0]!r}, not a count of "
+                        "steps (a number, 0 or more and finite)"
+                    )
+                    continue
                 faults.extend(
                     f"optimizer state {key!r} differs between parameter 0 and parameter "
                     f"{index}: a flat step keeps one value for every parameter"
@@ -284,6 +311,24 @@ class FlatStep:
                 if not isinstance(value, torch.Tensor) or value.numel() != slot.stop - slot.start
             )
         return faults
+
+    def _param_group_faults(self, group: Mapping[str, Any]) -> list[str]:
+        """Why the saved param ``group`` cannot drive this rule (empty: it can).
+
+        A hyperparameter of the rule missing (state saved by another rule: Adam's group has no
+        ``momentum``), or a number out of its range (a NaN ``lr`` would make every parameter NaN at
+        the next step)."""
+        missing = sorted(set(self.rule.hyperparameters) - set(group))
+        if missing:
+            return [
+                f"its param group lacks {missing}, hyperparameters of this optimizer's "
+                f"{self.rule.optimizer_class.__name__} (state saved by another update rule?)"
+            ]
+        return [
+            f"its param group's {fault}"
+            for key in sorted(set(group) & set(self.rule.hyperparameters))
+            if (fault := option_error(key, group[key])) is not None
+        ]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output, or a per-tensor optimizer's of the same main params.
@@ -314,6 +359,12 @@ class FlatStep:
                 flat[slot.start : slot.stop].copy_(value.reshape(-1))
             joined[key] = flat
         return joined
+
+
+def _step_count(value: Any) -> float | None:
+    """``value`` as a count of steps (a real number, 0 or more and finite), else ``None``."""
+    number = real_number(value)
+    return number if number is not None and 0 <= number < math.inf else None
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -27,6 +27,7 @@ from pgregistry.optim._base import FlatOptimizer, InnerFactory, ParamNameFn
 from pgregistry.optim._copies import Copy, write_copies
 from pgregistry.optim._flat_step import FlatStep
 from pgregistry.optim._grad_buffer import GradBuffer, all_reduce_grads_
+from pgregistry.optim._options import option_error
 from pgregistry.optim._param_state import MAIN_PARAM, ParamState, inner_state_dict, load_inner_state
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import (
@@ -60,6 +61,8 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             ones (``dp_cp``, TP group, ``mp``); both are divided by the ``dp_cp`` size (see
             :mod:`pgregistry.optim._base`).
         main_dtype: dtype of the main copies and grads; ``None`` steps the parameters themselves.
+            It must hold every parameter's dtype (float32 main copies of float64 parameters are
+            refused: they would round them).
         bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one
             bucket).
         param_name_fn: names parameters in state dicts and errors.
@@ -76,10 +79,15 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         bucket_numel: int | None = None,
         param_name_fn: ParamNameFn | None = None,
     ) -> None:
-        super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
+        super().__init__(
+            params, process_groups, expert=expert, param_name_fn=param_name_fn, inner=inner
+        )
         self.grad_sync_group = self.process_groups.expt_dp if expert else self.process_groups.dp_cp
         """Grads are summed over this group (after division by :attr:`grad_divisor`): ``expt_dp``
         for experts, ``dp_cp`` for dense parameters."""
+        bucket_fault = option_error("bucket_numel", bucket_numel)
+        if bucket_fault is not None:
+            raise bucket_fault
         self.bucket_numel = bucket_numel
         dtypes = {p.dtype for p in self.params}
         if main_dtype is None and len(dtypes) > 1:
@@ -88,6 +96,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
                 f"{sorted(map(str, dtypes))}; give each dtype its own optimizer or set main_dtype"
             )
         buffer_dtype = main_dtype or next(iter(dtypes), torch.float32)
+        self._check_main_dtype(buffer_dtype)
         device = self._buffer_device()
         # Main copies exist before their storage: the buffer classifies them (their roles are what
         # the optimizer counts) and lays them out; each then becomes its view of the flat main

@@ -85,7 +85,8 @@ class ShardedOptimizer(FlatOptimizer):
     Raises:
         ValueError: ``inter_dist_opt`` spanning several distributed-optimizer instances (one is
             supported); ``intra_dist_opt`` unset; parameters of several dtypes (give each dtype its
-            own optimizer).
+            own optimizer); a ``main_dtype`` that would round a parameter (float32 main copies of
+            float64 parameters).
 
     Example::
 
@@ -103,7 +104,9 @@ class ShardedOptimizer(FlatOptimizer):
         main_dtype: torch.dtype | None = torch.float32,
         param_name_fn: ParamNameFn | None = None,
     ) -> None:
-        super().__init__(params, process_groups, expert=expert, param_name_fn=param_name_fn)
+        super().__init__(
+            params, process_groups, expert=expert, param_name_fn=param_name_fn, inner=inner
+        )
         groups = self.process_groups
         if group_size(groups.inter_dist_opt) > 1:
             raise ValueError(
@@ -124,6 +127,7 @@ class ShardedOptimizer(FlatOptimizer):
             )
         param_dtype = next(iter(dtypes), main_dtype or torch.float32)
         main_dtype = main_dtype or param_dtype
+        self._check_main_dtype(main_dtype)
         device = self._buffer_device()
         self.buffer = GradBuffer(
             self.params,

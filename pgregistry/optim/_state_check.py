@@ -36,6 +36,7 @@ __all__ = [
     "inner_param_state_faults",
     "inner_state_faults",
     "missing_and_extra",
+    "param_state_key_faults",
     "refuse_agreed",
     "refuse_faults",
     "tensor_faults",
@@ -96,6 +97,23 @@ def first_few_quoted(names: Iterable[str], shown: int = _SHOWN) -> str:
     ``, ...`` follows them when there are more."""
     listed = sorted(names)
     return ", ".join(map(repr, listed[:shown])) + (", ..." if len(listed) > shown else "")
+
+
+def param_state_key_faults(state: Any) -> list[str]:
+    """Why ``state`` is no parameter -> state mapping (``param_state()`` output), or nothing.
+
+    A ``load_param_state`` reads the state of each of its parameters with ``state.get(param)``: a
+    dict keyed by names would load nothing, silently."""
+    if not isinstance(state, Mapping):
+        return [f"it is a {type(state).__name__}, not a mapping of parameter -> state"]
+    named = [key for key in state if not isinstance(key, torch.Tensor)]
+    if named:
+        return [
+            f"it is keyed by {len(named)} key(s) that are no parameter, e.g. {named[0]!r} "
+            f"({type(named[0]).__name__}): key it by the model's parameters (param_state() "
+            "output), or load state by name with pgregistry.checkpoint.load_optimizer_state_by_name"
+        ]
+    return []
 
 
 def tensor_faults(what: str, value: Any, like: torch.Tensor, *, cast: bool = False) -> list[str]:

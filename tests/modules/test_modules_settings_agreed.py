@@ -32,6 +32,10 @@ def _cases() -> dict[str, str]:
     # Options bad for module b only, whose ranks are half the world.
     out["lr_for_b"] = error_of(lambda: mm.build_optimizer(models, modules, per_module={"b": {"lr": "x"}}))
     out["lr_negative"] = error_of(lambda: mm.build_optimizer(models, modules, lr=-1.0))
+    # Module b's Adam reads no momentum: ignored before; b's build refusing it is raised on every rank of the job.
+    out["momentum_for_b"] = error_of(
+        lambda: mm.build_optimizer(models, modules, per_module={"b": {"optimizer": "adam", "momentum": 0.9}})
+    )
     out["lr_differs"] = error_of(
         lambda: mm.build_optimizer(models, modules, per_module={"b": {"lr": 0.1 if rank == 3 else 0.2}})
     )
@@ -93,6 +97,7 @@ def test_an_option_bad_for_one_module_raises_on_every_rank_of_the_job(results: l
         "input", "module 'b': lr must be a number, got 'x' (str)"
     )
     _same_on_every_rank(results, "lr_negative", "ValueError", "lr must be a non-negative, finite number, got -1.0")
+    _same_on_every_rank(results, "momentum_for_b", "ValueError", "module 'b': momentum given, which 'adam' does not")
     for rank, out in enumerate(results):
         assert out["lr_differs"].startswith(
             "ValueError: ranks disagree on pgregistry.modules.build_optimizer: \"per_module['b']\" differs (ranks "

@@ -51,7 +51,7 @@ def test_refuses_a_collection_without_a_group_it_needs(missing: str, sharded: bo
 
 
 def test_refuses_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+    with pytest.raises(ValueError, match="optimizer must be one of .* got .lamb."):
         build_optimizer(_moe(), ALL_OFF, optimizer="lamb")  # type: ignore[arg-type]
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):

@@ -4,6 +4,8 @@ dtype (their grad hooks stay with the old optimizer); ``recover`` names a bad ar
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pgregistry.testing import run_world
@@ -70,15 +72,21 @@ def _bad_arguments() -> list[str]:
 
     from pgregistry import build
     from pgregistry.layout import ParallelLayout
-    from pgregistry.recovery import recover
+    from pgregistry.recovery import carry_optimizer_state, commit, recover
 
     pg = build(ParallelLayout(num_ranks=1))
     store = dist.HashStore()
     out = []
     for kwargs in ({"committed_step": "3"}, {"committed_step": 3, "wait": 0}, {"committed_step": 3, "lost": "3"},
-                   {"committed_step": 3, "lost": [1.0]}):
+                   {"committed_step": 3, "lost": [1.0]}, {"committed_step": 3, "wait": math.inf}):
         try:
             recover(pg, store, **kwargs)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as error:
+            out.append(f"{type(error).__name__}: {error}")
+    for call in (lambda: recover(pg.one_rank_group, store, committed_step=3), lambda: commit(pg.one_rank_group),
+                 lambda: carry_optimizer_state(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), None)):
+        try:
+            call()  # type: ignore[arg-type]
         except (TypeError, ValueError) as error:
             out.append(f"{type(error).__name__}: {error}")
     return out
@@ -88,7 +96,15 @@ def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
     (got,) = run_world(1, _bad_arguments, timeout=30.0)
     assert got == [
         "TypeError: committed_step must be an integer (the last step applied), got '3'",
-        "ValueError: wait must be a positive number of seconds, got 0",
+        "ValueError: wait must be a positive, finite number of seconds, got 0",
         "TypeError: lost must be an iterable of ranks or None, got str",
         "TypeError: lost rank must be an integer, got 1.0 (float)",
+        "ValueError: wait must be a positive, finite number of seconds, got inf",  # waited for ever before
+        *(
+            f"TypeError: {name} expects a pgregistry ProcessGroupCollection, got "
+            "torch.distributed.distributed_c10d.ProcessGroup"
+            for name in ("recover", "commit")
+        ),
+        "TypeError: carry_optimizer_state takes the optimizers build_optimizer returns (ChainedOptimizer); old is a "
+        "SGD",
     ]

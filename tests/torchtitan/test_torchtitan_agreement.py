@@ -53,6 +53,7 @@ def _on_rank() -> dict[str, str]:
     }
     half = registry.build(ParallelLayout(num_ranks=1), name="half")  # rank 0's span
     out["one rank's span"] = _error_of(lambda: to_parallel_dims(half if rank == 0 else pg, device_type="cpu"))
+    out["gpu"] = _error_of(lambda: to_parallel_dims(pg, device_type="gpu"))  # a mesh of "gpu" was made before
     out["still agrees"] = _error_of(lambda: to_parallel_dims(pg, device_type="cpu"))
     registry.destroy()
     return out
@@ -107,6 +108,12 @@ def test_a_span_on_one_rank_is_refused_on_every_rank(results: list[dict[str, str
         assert message == results[0]["one rank's span"], (rank, message)
         assert message.startswith("ValueError: to_parallel_dims: ranks [0] found"), (rank, message)
         assert "the ranks also disagree: 'layout' differs" in message, (rank, message)
+
+
+def test_a_device_type_that_is_no_torch_device_type_is_refused_on_every_rank(results: list[dict[str, str]]) -> None:
+    for rank, out in enumerate(results):
+        assert out["gpu"].startswith("ValueError: to_parallel_dims: ranks [0, 1] found"), (rank, out["gpu"])
+        assert "device_type 'gpu' is no torch device type: give one such as 'cuda' or 'cpu'" in out["gpu"], rank
 
 
 def test_mark_torchtitan_experts_given_a_parameter_says_to_mark_it_with_mark_expert() -> None:

@@ -1,0 +1,44 @@
+"""Counts given to the public API: an integer of any type, positive, never a bool or a float.
+
+``place(layout, np.int64(8))`` was refused as "gpus_per_node must be a positive integer, got
+np.int64(8)", which it is, while ``node_of(13, -8)`` answered node -2 and ``node_of(3.5, 2)`` node
+1.0. Torch-free.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import SupportsIndex
+
+__all__ = ["non_negative_int", "plain_int", "positive_int"]
+
+
+def plain_int(value: object) -> object:
+    """An integer of any type (``np.int64``) as an int; anything else (a bool) as given.
+
+    For a check that takes ``int`` alone, or a value agreed over ranks by its ``repr``."""
+    if isinstance(value, SupportsIndex) and not isinstance(value, bool | int):
+        return operator.index(value)
+    return value
+
+
+def positive_int(value: object, name: str) -> int:
+    """``value`` as an int when it is an integer of any type above 0, else ``ValueError``."""
+    number = _as_integer(value)
+    if number is None or number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+def non_negative_int(value: object, name: str) -> int:
+    """``value`` as an int when it is an integer of any type, 0 or more, else ``ValueError``."""
+    number = _as_integer(value)
+    if number is None or number < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return number
+
+
+def _as_integer(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        return None
+    return operator.index(value)
