@@ -143,8 +143,9 @@ def path_kind(path: Path) -> str | None:
 def read_regular_file(path: Path) -> tuple[bytes, int]:
     """The bytes and modification time (ns) of the regular file at ``path``.
 
-    ``OSError`` for any other thing there. Opened non-blocking and checked with ``fstat`` before it is read: a FIFO (a device, a socket)
-    where a file was expected, or swapped in after the walk, is refused at once, never waited on."""
+    ``OSError`` for any other thing there. Opened non-blocking and checked with ``fstat`` before it
+    is read: a FIFO (a device, a socket) where a file was expected, or swapped in after the walk, is
+    refused at once, never waited on."""
     handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         status = os.fstat(handle)

@@ -217,9 +217,10 @@ def _temporary_of(target: Path, token: str) -> Path:
 def _journal_row(row: Mapping[str, object], root: Path) -> tuple[Path, Path, str | None, str]:
     """A journal's ``row``: (target, temporary file, old hash, new hash), if this tool wrote it.
 
-    ``ValueError`` otherwise. It did when the target is a file of the project at ``root`` and the temporary file is beside it
-    under the name :func:`_temporary_of` gives: a journal made otherwise (committed, copied from
-    another tree, edited) must not make a run remove or replace any other file."""
+    ``ValueError`` otherwise. It did when the target is a file of the project at ``root`` and the
+    temporary file is beside it under the name :func:`_temporary_of` gives: a journal made otherwise
+    (committed, copied from another tree, edited) must not make a run remove or replace any other
+    file."""
     target, temporary, old, new = (row[key] for key in ("target", "temporary", "old", "new"))
     if not (isinstance(target, str) and isinstance(temporary, str)):
         raise ValueError(f"a row names no target and temporary file: {dict(row)}")
