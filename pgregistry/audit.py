@@ -504,8 +504,9 @@ def _norm_parts_weighted_by(
 
 
 def _share_weights(part: torch.Tensor, weight: float) -> torch.Tensor:
-    """``weight`` for each share column of ``part``, 1 for its zero count (the second column): a
-    float64 grad's 2-norm part has more share columns, its squares by range."""
+    """``weight`` for each share column of ``part``, 1 for its zero count (the second column).
+
+    A float64 grad's 2-norm part has more share columns, its squares by range."""
     weights = torch.full(part.shape, weight, dtype=torch.float64, device=part.device)
     weights[1] = 1.0
     return weights

@@ -477,7 +477,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "reduction made it: inf (a clip skipped as for a NaN grad), 0 (a clip to 0.1 of grads of 0.5, p=1000, scales "
         "nothing), 1 for p=1e300",
         file="pgregistry/grad_stats/_reductions.py",
-        find="    if not _untrusted(reduced.norm64, p):\n        return reduced\n",
+        find="    if not _needs_exact_norm(reduced.norm64, p):\n        return reduced\n",
         replace="    return reduced\n",
         tests=(
             "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"

@@ -64,10 +64,10 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
         norm = norm_of_grads(grads)
     """
 
-    def read(wanted: Wanted) -> Shares:
+    def read_shares(wanted: Wanted) -> Shares:
         return _shares_of_groups(grads_by_group, wanted)
 
-    return reduce_shares(read(Wanted.of(norm_type, zeros=False)), reread=read).norm
+    return reduce_shares(read_shares(Wanted.of(norm_type, zeros=False)), reread=read_shares).norm
 
 
 def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:

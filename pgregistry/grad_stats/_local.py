@@ -27,7 +27,7 @@ values: :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keep
 for as long as that layout stays the same. Shares accumulate in float64
 (:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element (torch's norms
 take ``dtype=torch.float64``, the kernel squares in float64), a float64 grad's 2-norm by range
-(:func:`~pgregistry.grad_stats._reductions.ranged_squares`), so neither needs a host read.
+(:func:`~pgregistry.grad_stats._reductions.squares_by_range`), so neither needs a host read.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from pgregistry.grad_stats._reductions import (
     accumulates_in,
     make_part,
     makes_norm_float64,
-    ranged_squares,
+    squares_by_range,
 )
 
 __all__ = [
@@ -68,7 +68,7 @@ __all__ = [
     "read_kind",
     "row_norms",
     "scale_kind",
-    "scaled_share",
+    "share_over_divisor",
 ]
 
 HOST_BLOCK: Final = 1 << 18
@@ -193,7 +193,7 @@ def read_kind(
         tensors = [tensor.abs() for tensor in tensors]
     if wanted.divisor is not None:  # the exact norm's second read: no zero count, no kernel
         assert wanted.p is not None
-        return [make_part(scaled_share(tensors, wanted.p, wanted.divisor), None, device)]
+        return [make_part(share_over_divisor(tensors, wanted.p, wanted.divisor), None, device)]
     parts = []
     rest = tensors if not plan.kernel else [tensors[index] for index in plan.rest]
     if plan.kernel and (
@@ -226,11 +226,11 @@ def _torch_part(
     """torch's multi-tensor norms (one fused call), the zero count as numel minus the L0 norms.
 
     Float64: exact up to 2**53 elements; no mask the size of the grads. The 2-norm of float64 grads
-    by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
+    by range (:func:`~pgregistry.grad_stats._reductions.squares_by_range`)."""
     share = zeros = None
     norm_over = _non_empty(norm_over)
     if norm_over and wanted.ranged and makes_norm_float64(norm_over[0].dtype):
-        share = ranged_squares(norm_over, HOST_BLOCK)
+        share = squares_by_range(norm_over, HOST_BLOCK)
     elif norm_over and wanted.p is not None:
         accumulate_in = accumulates_in(norm_over[0].dtype, wanted.p)
         norms = torch.stack(torch._foreach_norm(norm_over, wanted.p, dtype=accumulate_in)).to(
@@ -257,7 +257,7 @@ def _host_part(
 
     The tensors of a block are concatenated into one (one dispatch, a block's memory); a tensor
     alone in its block is read in place. The 2-norm of float64 grads by range
-    (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
+    (:func:`~pgregistry.grad_stats._reductions.squares_by_range`)."""
     ranged = wanted.ranged and makes_norm_float64(plan.dtype)
     accumulate_in = accumulates_in(plan.dtype, wanted.p)
     norms: list[torch.Tensor] = []
@@ -275,7 +275,7 @@ def _host_part(
         if not block.numel():
             continue
         if ranged:
-            norms.append(ranged_squares([block], HOST_BLOCK))
+            norms.append(squares_by_range([block], HOST_BLOCK))
         elif wanted.p is not None:
             if block.numel() > HOST_BLOCK:  # a long reduction in float32 loses precision: by rows
                 rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
@@ -344,7 +344,9 @@ def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> tor
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def scaled_share(tensors: Sequence[torch.Tensor], p: float, divisor: torch.Tensor) -> torch.Tensor:
+def share_over_divisor(
+    tensors: Sequence[torch.Tensor], p: float, divisor: torch.Tensor
+) -> torch.Tensor:
     """``sum (|x| / divisor)^p`` over ``tensors`` (real), 0-dim float64 on ``divisor``'s device.
 
     The exact norm's second read (:func:`~pgregistry.grad_stats._reductions.reduce_shares`), where

@@ -32,8 +32,8 @@ summed over: whether the norm is finite is decided over every grad of every rank
 already travel, while each element is still counted once. Shares accumulate in float64 whatever the
 grads' dtype (float64 grads of 3e30 have a finite norm); the 1- and 2-norm from the first element
 (:func:`accumulates_in`), a float64 grad's squares by range in two more columns of the 2-norm's
-rows (:func:`ranged_squares`), so the 1-, 2- and inf-norm wait on nothing: no host read, as torch's
-``clip_grad_norm_``. Another ``p`` reads its norm on the host once, whether it is exact
+rows (:func:`squares_by_range`), so the 1-, 2- and inf-norm wait on nothing: no host read, as
+torch's ``clip_grad_norm_``. Another ``p`` reads its norm on the host once, whether it is exact
 (:func:`reduce_shares`, which makes it so where ``sum |g|^p`` over- or underflowed). Results are
 0-dim tensors on the reduction device, the norm returned in
 float64 where this rank holds a float64 (or complex128) grad, float32 otherwise
@@ -91,13 +91,13 @@ _NORM, _ZEROS = range(2)
 
 _LARGE, _SMALL = range(2, 4)
 """A 2-norm row's further columns: the squares of the float64 grads beyond the middle range, scaled
-into it (:func:`ranged_squares`); the norm column then holds the squares of every other grad."""
+into it (:func:`squares_by_range`); the norm column then holds the squares of every other grad."""
 
 _RANGED_WIDTH: Final = 4
 """A 2-norm row's width: the norm column, the zero count, the large and the small column."""
 
 _RANGE_EDGE: Final = 2.0**256
-"""Where :func:`ranged_squares` puts a float64 ``|g|``: at least this, the large column; below its
+"""Where :func:`squares_by_range` puts a float64 ``|g|``: at least this, the large column; below its
 reciprocal, the small one; else the norm column (squares within ``[2**-512, 2**512)``)."""
 
 _RANGE_SCALE: Final = 2.0**600
@@ -137,8 +137,7 @@ class Wanted:
 
     @property
     def ranged(self) -> bool:
-        """Whether this is the 2-norm, whose rows carry the squares by range
-        (:func:`ranged_squares`)."""
+        """Whether this is the 2-norm (its rows carry squares: :func:`squares_by_range`)."""
         return self.p == 2.0
 
     @property
@@ -148,7 +147,7 @@ class Wanted:
         The inf-norm is a maximum. The 1- and 2-norm accumulate ``|g|`` and ``g * g`` in float64
         from the start (:func:`accumulates_in`): a float32, bf16 or fp16 value's square lies within
         ``[2**-298, 2**256]``, a normal float64, and a sum of up to ``2**60`` of them cannot leave
-        float64's range; a float64 grad's squares go by range (:func:`ranged_squares`); a sum of
+        float64's range; a float64 grad's squares go by range (:func:`squares_by_range`); a sum of
         ``|g|`` is only infinite where the norm is beyond float64. Every other ``p`` (and ``p`` >
         2**126) may need :func:`reduce_shares`' exact norm."""
         return self.p is not None and (self.infinite or self.p in (1.0, 2.0))
@@ -177,17 +176,17 @@ def accumulates_in(dtype: torch.dtype, p: float | None) -> torch.dtype:
     return torch.float64 if makes_norm_float64(dtype) or p in (1.0, 2.0) else torch.float32
 
 
-def ranged_squares(tensors: Iterable[torch.Tensor], block: int) -> torch.Tensor:
+def squares_by_range(tensors: Iterable[torch.Tensor], block: int) -> torch.Tensor:
     """The squares of real float64 ``tensors`` by range: ``[middle, large, small]``, float64.
 
     A float64 square leaves float64's range (beyond ``|g|`` of 1.3e154, below 1.5e-154 it loses
-    bits), so each ``|g|`` goes by range (:data:`_RANGE_EDGE`): the middle range squared as it is,
-    the large ones divided by :data:`_RANGE_SCALE` first, the small ones multiplied by it: powers
-    of two, exact. The three sums travel as columns of the row (:func:`reduce_shares`) and are
-    combined after the reduction (:func:`_ranged_two_norm`): the 2-norm of float64 grads is exact
-    with no host read and no second pass, on every rank alike. A NaN lands in the middle column, an
-    inf in the large one. ``block`` elements at a time (a few temporaries of a block each): float64
-    grads only, a few passes over them. :func:`make_part` makes it a part."""
+    bits), so each ``|g|`` goes by range (:data:`_RANGE_EDGE`): the middle range squared as it
+    is, the large ones divided by :data:`_RANGE_SCALE` first, the small ones multiplied by it:
+    powers of two, exact. The three sums travel as columns of the row (:func:`reduce_shares`) and
+    are combined after the reduction (:func:`_two_norm_from_ranges`): the 2-norm of float64 grads
+    is exact with no host read and no second pass, on every rank alike. A NaN lands in the middle
+    column, an inf in the large one. ``block`` elements at a time (a few temporaries of a block
+    each): float64 grads only, a few passes over them. :func:`make_part` makes it a part."""
     columns = []
     for tensor in tensors:
         for piece in tensor.reshape(-1).split(block):
@@ -219,7 +218,7 @@ def make_part(
     """A part from a norm share and a zero count (0-dim tensors, either absent).
 
     The norm share is ``sum |g|^p``, or ``max |g|``, or the 2-norm's squares by range (a vector,
-    :func:`ranged_squares`: the part is then a 2-norm row's four columns).
+    :func:`squares_by_range`: the part is then a 2-norm row's four columns).
     """
     if norm_share is not None and norm_share.dim():  # by range: [middle, zeros, large, small]
         count = norm_share.new_zeros(()) if zeros is None else zeros.to(norm_share)
@@ -346,9 +345,9 @@ def reduce_shares(
     ``inter_dist_opt``); when given, a NaN or inf seen on any of those ranks makes the norm NaN or
     inf on all of them. Without it, only the ranks of a rank's own reduction groups contribute.
 
-    ``reread``: given, a ``p``-norm the one reduction cannot be trusted with (:func:`_untrusted`:
-    ``sum |g|^p`` overflowed or underflowed, or ``p`` beyond 2**126) is made exact from two reads
-    more (:func:`_exact_norm`). The 1-, 2- and inf-norm never need it
+    ``reread``: given, a ``p``-norm the one reduction cannot be trusted with
+    (:func:`_needs_exact_norm`: ``sum |g|^p`` overflowed or underflowed, or ``p`` beyond 2**126) is
+    made exact from two reads more (:func:`_exact_norm`). The 1-, 2- and inf-norm never need it
     (:attr:`Wanted.exact_in_one_reduction`): nothing is read on the host for them, decided from
     ``p`` alone, the same on every rank (a rank's dtypes are not: a float64 stage beside a float32
     one). Another ``p`` reads the reduced norm on the host (a device sync on CUDA): every rank of
@@ -359,7 +358,7 @@ def reduce_shares(
     if reread is None or p is None or shares.wanted.exact_in_one_reduction:
         return reduced
     assert reduced.norm64 is not None
-    if not _untrusted(reduced.norm64, p):
+    if not _needs_exact_norm(reduced.norm64, p):
         return reduced
     return _exact_norm(reduced, p, reread, verdict)
 
@@ -373,7 +372,7 @@ _LARGEST_TRUSTED_P: Final = 1.0 / torch.finfo(torch.float32).tiny
 to it in float32 (0 for ``p`` of 1e300: every tensor's norm is then ``x^0 = 1``)."""
 
 
-def _untrusted(norm64: torch.Tensor, p: float) -> bool:
+def _needs_exact_norm(norm64: torch.Tensor, p: float) -> bool:
     """Whether the one reduction's finite-grad ``norm64`` may be wrong (reads it on the host).
 
     Its ``sum |g|^p`` is infinite (an overflow, or an infinite grad: :func:`_exact_norm` tells them
@@ -442,7 +441,7 @@ def _reduce_once(shares: Shares, verdict: Sequence[ProcessGroup | None]) -> Redu
         norm = peaks.amax()
     elif wanted.ranged:
         totals = list(reduced.values())
-        norm = _ranged_two_norm(
+        norm = _two_norm_from_ranges(
             *(_column_total(totals, column, device) for column in (_NORM, _LARGE, _SMALL))
         )
     else:
@@ -486,10 +485,10 @@ def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.devic
     return torch.stack([row[column] for row in rows]).sum() if rows else _float64_zeros((), device)
 
 
-def _ranged_two_norm(
+def _two_norm_from_ranges(
     middle: torch.Tensor, large: torch.Tensor, small: torch.Tensor
 ) -> torch.Tensor:
-    """The 2-norm from the columns of :func:`ranged_squares` summed over every rank (0-dim float64).
+    """The 2-norm from :func:`squares_by_range`'s columns summed over every rank (0-dim float64).
 
     With a large square, ``sqrt(large + middle / S**2) * S`` (``S``: :data:`_RANGE_SCALE`; a small
     square is below a 2**-1024th of a large one: left out); else, with a middle one, ``sqrt(middle +
@@ -554,7 +553,7 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
         width = _RANGED_WIDTH if wanted.ranged else 2
         if not parts:
             return _float64_zeros(width, device)
-        widened = [_widened(part, width) for part in parts]
+        widened = [_pad_to_width(part, width) for part in parts]
         return widened[0] if len(widened) == 1 else torch.stack(widened).sum(0)
     if not parts:
         return _float64_zeros(3, device)
@@ -566,9 +565,10 @@ def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.devi
     )
 
 
-def _widened(part: torch.Tensor, width: int) -> torch.Tensor:
-    """``part`` with zero columns appended up to ``width``: a 2-norm part of grads that need no
-    range (:func:`ranged_squares`) as a row of the 2-norm."""
+def _pad_to_width(part: torch.Tensor, width: int) -> torch.Tensor:
+    """``part`` with zero columns appended up to ``width``.
+
+    So a 2-norm part of grads that need no range (:func:`squares_by_range`) is a 2-norm row."""
     if part.shape[0] == width:
         return part
     return torch.nn.functional.pad(part, (0, width - part.shape[0]))

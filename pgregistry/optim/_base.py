@@ -504,13 +504,13 @@ def statistics_of(
 
     ``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`."""
 
-    def read(wanted: Wanted) -> Shares:
+    def read_shares(wanted: Wanted) -> Shares:
         shares = Shares(wanted, optimizers[0].buffer.data.device)
         for optimizer in optimizers:
             optimizer.local_shares(shares)
         return shares
 
-    return reduce_shares(read(wanted), verdict=verdict, reread=read)
+    return reduce_shares(read_shares(wanted), verdict=verdict, reread=read_shares)
 
 
 def clip_grads_of(

@@ -23,7 +23,7 @@ the parameter count:
   its output: each element is cast as it is read (to float64 for the 1- and 2-norm, so no ``|g|``
   or square over- or underflows, :func:`~pgregistry.grad_stats._reductions.accumulates_in`), where
   ``vector_norm(..., dtype=torch.float64)`` would first cast a copy of the whole span; a float64
-  span's 2-norm goes by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`);
+  span's 2-norm goes by range (:func:`~pgregistry.grad_stats._reductions.squares_by_range`);
 * on CUDA the local zero count allocates no mask: ``count_nonzero`` would materialise ``self != 0``
   (a byte per element), so a span is viewed as rows of at most 2**24 elements and reduced with
   ``vector_norm(ord=0)``, whose float32 count is exact per row (every partial sum is an integer
@@ -62,7 +62,7 @@ from pgregistry.grad_stats._fused import (
     is_kernel_readable,
     span_squares_and_zeros,
 )
-from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms, scaled_share
+from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms, share_over_divisor
 from pgregistry.grad_stats._reductions import (
     Reduced,
     Shares,
@@ -70,8 +70,8 @@ from pgregistry.grad_stats._reductions import (
     accumulates_in,
     make_part,
     nonfinite_part,
-    ranged_squares,
     reduce_shares,
+    squares_by_range,
 )
 
 if TYPE_CHECKING:
@@ -244,9 +244,9 @@ class GradBuffer:
 
         No host sync for the 1-, 2- and inf-norm; another ``p`` reads whether its norm is exact
         (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
-        return reduce_shares(self._shares(wanted), reread=self._shares)
+        return reduce_shares(self._fresh_shares(wanted), reread=self._fresh_shares)
 
-    def _shares(self, wanted: Wanted) -> Shares:
+    def _fresh_shares(self, wanted: Wanted) -> Shares:
         shares = Shares(wanted, self.data.device, (span.group for span in self.spans))
         self.local_shares(shares)
         return shares
@@ -323,14 +323,14 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
     """``sum |x|^p`` (``max |x|`` for the inf-norm) of a 1-D contiguous ``view``, 0-dim float64.
 
-    See the module docstring; with ``wanted.divisor``, :func:`scaled_share`'s; a float64 view's
-    2-norm by range (:func:`~pgregistry.grad_stats._reductions.ranged_squares`)."""
+    See the module docstring; with ``wanted.divisor``, :func:`share_over_divisor`'s; a float64
+    view's 2-norm by range (:func:`~pgregistry.grad_stats._reductions.squares_by_range`)."""
     p = wanted.p
     assert p is not None
     if wanted.divisor is not None:
-        return scaled_share([view], p, wanted.divisor)
+        return share_over_divisor([view], p, wanted.divisor)
     if wanted.ranged and view.dtype == torch.float64:
-        return ranged_squares([view], HOST_BLOCK)
+        return squares_by_range([view], HOST_BLOCK)
     infinite = math.isinf(p)
     acc = accumulates_in(view.dtype, p)
     if view.device.type == "cuda":  # torch's multi-tensor norm casts each element as it reads it

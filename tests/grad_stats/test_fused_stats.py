@@ -120,7 +120,7 @@ def _in_interpreter() -> dict[str, Any]:
     # Squares beyond float32's range (1e20: 1e40 each) and below it (1e-25: 1e-50), float32 and bf16, through the
     # kernel: summed in its float64 lanes, exact in the one reduction, with the host read refused.
     with (
-        mock.patch.object(reductions, "_untrusted", side_effect=AssertionError("a host read")),
+        mock.patch.object(reductions, "_needs_exact_norm", side_effect=AssertionError("a host read")),
         mock.patch.object(fused_stats, "read_over", side_effect=real) as beyond_read,
     ):
         beyond = {

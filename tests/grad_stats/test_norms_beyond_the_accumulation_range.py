@@ -13,7 +13,7 @@ decimal arithmetic. Non-finite grads keep their verdict on every rank.
 The 1- and 2-norm are exact in the one reduction, with no host read of the norm (as torch's ``clip_grad_norm_``, a
 training loop's clip must not wait on the device): every ``|g|`` and ``g * g`` accumulates in float64 from the
 first element, a float64 grad's squares by range. Their cases run with the host read and the exact norm's second
-look replaced by a raise (``_untrusted``, ``_exact_norm``): float32 and bf16 grads of 1e20 (float32 squares
+look replaced by a raise (``_needs_exact_norm``, ``_exact_norm``): float32 and bf16 grads of 1e20 (float32 squares
 overflow), of 1e-25 (they underflow), float32 grads of 1e38 summed (beyond float32: the clip scales by the float64
 norm), float64 grads of 1e160 and 1e-170, and float64 grads of 1e160 on one stage beside float32 grads on the other
 (a decision taken from each rank's dtypes would have sent only the float64 stage into the exact norm's collectives:
@@ -148,7 +148,7 @@ def _on_rank(case: str) -> dict[str, object]:
     grads = _grads(case, rank)
     with ExitStack() as refused:
         if p in (1.0, 2.0):  # no host read, no second look: both raise if reached
-            for name in ("_untrusted", "_exact_norm"):
+            for name in ("_needs_exact_norm", "_exact_norm"):
                 refused.enter_context(mock.patch.object(_reductions, name, side_effect=AssertionError(name)))
         return _every_path(case, dtype, p, max_norm, grads)
 
@@ -200,7 +200,7 @@ def _every_case_on_rank() -> dict[str, dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, dict[str, object]]]:
-    return run_world(2, _every_case_on_rank, timeout=120)
+    return run_world(2, _every_case_on_rank, timeout=60)
 
 
 def _returned(want: float, dtype: torch.dtype, path: str) -> float:
