@@ -79,7 +79,7 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check pgregistry
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pgregistry allowlist check
+	$(VENV)/bin/pgregistry allowlist check --no-cache
 	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
 		PGREGISTRY_REQUIRE_TORCHTITAN=$(if $(TORCHTITAN),1,0) PGREGISTRY_REQUIRE_CORPUS=$(if $(CORPUS),1,0) \
 		$(PY) -m pytest
