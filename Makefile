@@ -3,7 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 # PyPI's torch for Linux x86_64 is the CUDA build (about 5.4 GB); PyTorch's CPU index adds 2.13.0+cpu, which pip
-# prefers (a local version sorts after its release). Elsewhere (macOS) the index's build is PyPI's.
+# prefers (a local version sorts after its release). Elsewhere (macOS) the index's build is PyPI's. The index is
+# asked once first (5 s at most): pip retries an unreachable index for every package it resolves, each time up to
+# its timeout, which on a machine whose firewall drops the packets would hold setup for many minutes.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.pgregistry-installed
 # The Megatron-Core the parity and interop tests run against (tests/megatron). Releases from 0.17 on declare
@@ -40,7 +42,15 @@ setup: $(STAMP) $(if $(MEGATRON_CORE),$(MEGATRON_STAMP) $(MEGATRON_OLDER_DIR)) $
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --extra-index-url "$(TORCH_INDEX)" "$(TORCH_CPU)"
+	$(PY) -c "import torch" 2>/dev/null || { \
+		if $(PY) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" \
+			"$(TORCH_INDEX)" 2>/dev/null; then \
+			$(PY) -m pip install -q --extra-index-url "$(TORCH_INDEX)" "$(TORCH_CPU)"; \
+		else \
+			echo "make setup: $(TORCH_INDEX) not reached in 5 s; torch from pip's own indexes" \
+				"(on Linux x86_64 PyPI's is the CUDA build)" >&2; \
+			$(PY) -m pip install -q "$(TORCH_CPU)"; \
+		fi; }
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
