@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from pgregistry._runtime.integers import plain_int
+from pgregistry._runtime.integers import non_negative_int, plain_int, positive_int
 
 if TYPE_CHECKING:
     import torch
@@ -151,13 +151,11 @@ def require_layout(layout: object) -> None:
 
 
 def _check_positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+    positive_int(value, attribute.name)
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+    non_negative_int(value, attribute.name)
 
 
 def _order_text(order: object) -> str:
