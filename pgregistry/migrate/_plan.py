@@ -57,10 +57,10 @@ from pgregistry._source.scanner import (
     MODULE_SCOPE,
     SHIM,
     Site,
+    absolute_module,
     attribute_chain,
 )
 from pgregistry.migrate._facts import spec_field_of_call
-from pgregistry.migrate._imports import absolute_module
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
     definition_span,
