@@ -52,6 +52,7 @@ __all__ = [
     "normalise_model",
     "normalise_params",
     "params_of_source",
+    "require_module",
     "resolve_pg_collection",
     "source_of",
 ]
@@ -138,6 +139,20 @@ def normalise_model(model_chunks: ParamsLike, owner: str) -> Params:
             f"{owner} expects a model or model chunks, got {type(model_chunks).__name__}"
         )
     return params
+
+
+def require_module(model: object, owner: str) -> None:
+    """``TypeError`` naming ``owner`` unless ``model`` is an ``nn.Module``, for the expert markers.
+
+    A ``Parameter`` is refused too: it has no ``modules()`` to walk; the error says how to mark
+    one."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{owner} takes the model (an nn.Module), but was given a "
+            f"{type(model).__name__}; mark one parameter with pgregistry.params.mark_expert"
+        )
 
 
 def params_of_source(source: Source) -> Params:

@@ -45,6 +45,7 @@ __all__ = [
     "FileResult",
     "ParseFailure",
     "Site",
+    "absolute_module",
     "attribute_chain",
     "decode_result",
     "encode_result",
@@ -417,7 +418,7 @@ class _Imports:
                             head = alias.name.split(".", 1)[0]
                             self._bind_name(head, head)
                 elif isinstance(stmt, ast.ImportFrom):
-                    module = self._absolute_module(stmt.module, stmt.level)
+                    module = absolute_module(stmt.module, stmt.level, self.package)
                     for alias in stmt.names:
                         if alias.name == "*":
                             family = self.rules.star_family(module)
@@ -434,12 +435,6 @@ class _Imports:
                     for clause in getattr(stmt, "handlers", ()) or getattr(stmt, "cases", ()):
                         pending.append(clause.body)
 
-    def _absolute_module(self, module: str | None, level: int) -> str:
-        if level == 0:
-            return module or ""
-        base = self.package[: max(0, len(self.package) - (level - 1))]
-        return ".".join([*base, module] if module else base)
-
     def _bind_name(self, name: str, target: str) -> None:
         self.bindings.setdefault(name, set()).add(target)
 
@@ -450,6 +445,16 @@ class _Imports:
             for name, targets in self.bindings.items()
             if name not in self.rules.words and any(map(self.rules.relevant, targets))
         }
+
+
+def absolute_module(module: str | None, level: int, package: list[str]) -> str:
+    """The absolute name of ``module`` imported ``level`` packages up from ``package``.
+
+    ``migrate`` uses it too."""
+    if level == 0:
+        return module or ""
+    base = package[: max(0, len(package) - (level - 1))]
+    return ".".join([*base, module] if module else base)
 
 
 def attribute_chain(node: ast.expr) -> list[str] | None:

@@ -37,7 +37,7 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any, Final
 
-from pgregistry._runtime.resolve import check_usable
+from pgregistry._runtime.resolve import check_usable, require_module
 from pgregistry.collection import (
     FIELD_NAMES,
     NOT_MEMBER,
@@ -605,13 +605,7 @@ def mark_megatron_experts(model: nn.Module) -> int:
 
         assert mark_megatron_experts(model) == config.num_layers  # one MoE layer per layer
     """
-    import torch
-
-    if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
-        raise TypeError(
-            "mark_megatron_experts takes the model (an nn.Module), but was given a "
-            f"{type(model).__name__}; mark one parameter with pgregistry.params.mark_expert"
-        )
+    require_module(model, "mark_megatron_experts")
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from pgregistry.params import mark_expert_module

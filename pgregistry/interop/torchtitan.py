@@ -45,7 +45,7 @@ import attrs
 
 from pgregistry._runtime.agreement import check_agreement, require_distributed
 from pgregistry._runtime.logger import get_logger
-from pgregistry._runtime.resolve import check_usable
+from pgregistry._runtime.resolve import check_usable, require_module
 from pgregistry.collection import NOT_MEMBER, UNSET, GroupName, ProcessGroupCollection, group_size
 from pgregistry.layout import GROUP_KINDS, ParallelLayout
 from pgregistry.mesh import device_type_problem
@@ -850,13 +850,7 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
 
         assert mark_torchtitan_experts(model) > 0
     """
-    import torch
-
-    if not isinstance(model, torch.nn.Module):  # a Parameter too: it has no modules() to walk
-        raise TypeError(
-            "mark_torchtitan_experts takes the model (an nn.Module), but was given a "
-            f"{type(model).__name__}; mark one parameter with pgregistry.params.mark_expert"
-        )
+    require_module(model, "mark_torchtitan_experts")
     from torchtitan.models.common.moe import GroupedExperts
 
     from pgregistry.params import mark_expert, mark_expert_module

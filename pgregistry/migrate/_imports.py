@@ -1,23 +1,17 @@
 """What a module's imports bind: the names its module-level imports make, read with :mod:`ast`.
 
-Shared by the files' facts (:mod:`~pgregistry.migrate._facts`, through which the rules decided
-between the phases resolve a call or a base class) and the plan (a relative import); a module of
-its own so that neither imports the other only for it. Pure: no I/O.
+For the files' facts (:mod:`~pgregistry.migrate._facts`, through which the rules decided between
+the phases resolve a call or a base class); a relative import's absolute module is the scanner's
+(:func:`~pgregistry._source.scanner.absolute_module`). Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import ast
 
-__all__ = ["absolute_module", "import_bindings"]
+from pgregistry._source.scanner import absolute_module
 
-
-def absolute_module(module: str, level: int, package: list[str]) -> str:
-    """The absolute name of ``module`` imported ``level`` packages up from ``package``."""
-    if level == 0:
-        return module
-    base = package[: max(0, len(package) - (level - 1))]
-    return ".".join([*base, module] if module else base)
+__all__ = ["import_bindings"]
 
 
 def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
@@ -35,7 +29,7 @@ def import_bindings(tree: ast.Module, package: list[str]) -> dict[str, str]:
                     alias.name if alias.asname else alias.name.partition(".")[0]
                 )
         elif isinstance(node, ast.ImportFrom):
-            module = absolute_module(node.module or "", node.level, package)
+            module = absolute_module(node.module, node.level, package)
             bound.update(
                 {a.asname or a.name: f"{module}:{a.name}" for a in node.names if a.name != "*"}
             )

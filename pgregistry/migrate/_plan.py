@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import libcst as cst
+from libcst.helpers import get_full_name_for_node_or_raise
 from libcst.metadata import (
     Assignment,
     CodeRange,
@@ -56,10 +57,10 @@ from pgregistry._source.scanner import (
     MODULE_SCOPE,
     SHIM,
     Site,
+    absolute_module,
     attribute_chain,
 )
 from pgregistry.migrate._facts import spec_field_of_call
-from pgregistry.migrate._imports import absolute_module
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
     definition_span,
@@ -82,8 +83,10 @@ __all__ = [
     "CALLED_BY_AUTOGRAD",
     "FIXED_SIGNATURE",
     "add_reexported_names",
+    "bound_name",
     "collect_threaded_functions",
     "decorator_matches",
+    "import_module_text",
     "reads_left_by_site",
     "visit_mentions",
 ]
@@ -309,6 +312,18 @@ def _attribute_parts(node: cst.BaseExpression) -> list[str] | None:
         return None
     parts.append(node.value)
     return parts[::-1]
+
+
+def import_module_text(node: cst.ImportFrom) -> str:
+    """The module ``node`` imports from as it is written: with its leading dots (``..x``)."""
+    return "." * len(node.relative) + (
+        get_full_name_for_node_or_raise(node.module) if node.module else ""
+    )
+
+
+def bound_name(alias: cst.ImportAlias) -> str:
+    """The name an import alias binds: its ``as`` name, else its first (``import a.b`` binds a)."""
+    return alias.evaluated_alias or alias.evaluated_name.partition(".")[0]
 
 
 def _decorator_names(node: cst.FunctionDef) -> list[str]:
@@ -602,27 +617,14 @@ class _Locator(cst.CSTVisitor):
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if isinstance(node.names, cst.ImportStar):
             return
-        module = "." * len(node.relative) + (
-            ".".join(_attribute_parts(node.module) or []) if node.module else ""
-        )
+        module = import_module_text(node)
         for alias in node.names:
-            parts = _attribute_parts(alias.name)
-            if parts is None:
-                continue
-            bound = (
-                alias.asname.name.value
-                if alias.asname and isinstance(alias.asname.name, cst.Name)
-                else parts[0]
-            )
-            self.bindings[bound] = f"{module}:{'.'.join(parts)}"
+            self.bindings[bound_name(alias)] = f"{module}:{alias.evaluated_name}"
 
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:
-            parts = _attribute_parts(alias.name) or []
-            if alias.asname and isinstance(alias.asname.name, cst.Name):
-                self.bindings[alias.asname.name.value] = ".".join(parts)
-            elif parts:
-                self.bindings[parts[0]] = parts[0]
+            bound = bound_name(alias)
+            self.bindings[bound] = alias.evaluated_name if alias.asname else bound
 
     def _mark_alone(self, node: cst.BaseExpression | None) -> None:
         if isinstance(node, cst.Call):
@@ -891,21 +893,10 @@ def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str
     )
     module = ""
     if isinstance(node, cst.ImportFrom):
-        relative = "." * len(node.relative)
-        from_module = (
-            relative + ".".join(_attribute_parts(node.module) or []) if node.module else relative
-        )
-        module = _absolute_module(from_module, package)
+        module = _absolute_module(import_module_text(node), package)
     for alias in node.names:
-        dotted = ".".join(_attribute_parts(alias.name) or [])
-        bound = (
-            alias.asname.name.value
-            if alias.asname and isinstance(alias.asname.name, cst.Name)
-            else dotted
-            if isinstance(node, cst.ImportFrom)
-            else dotted.partition(".")[0]
-        )
-        if bound == assignment.name:
+        if bound_name(alias) == assignment.name:
+            dotted = alias.evaluated_name
             return f"{module}.{dotted}" if module else dotted
     return module
 

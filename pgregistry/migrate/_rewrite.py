@@ -26,7 +26,7 @@ from pgregistry.migrate._layout import (
     split_key,
     split_statement,
 )
-from pgregistry.migrate._plan import FilePlan, Way
+from pgregistry.migrate._plan import FilePlan, Way, bound_name, import_module_text
 from pgregistry.migrate._shims import Dissolved
 from pgregistry.migrate._skeleton import restore_placeholders
 from pgregistry.migrate._style import DEFAULT_WIDTH
@@ -51,16 +51,6 @@ def _count_reads_in_code(code: str | bytes) -> Counter[str]:
 
     Many times faster than a libcst walk, since only names count."""
     return _count_name_reads([ast.parse(code)])
-
-
-def _name_bound_by(alias: cst.ImportAlias) -> str:
-    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
-        return alias.asname.name.value
-    node: cst.BaseExpression = alias.name
-    while isinstance(node, cst.Attribute):
-        node = node.value  # ``import a.b`` binds ``a``
-    assert isinstance(node, cst.Name)
-    return node.value
 
 
 class _Prune(cst.CSTTransformer):
@@ -95,7 +85,7 @@ class _Prune(cst.CSTTransformer):
         return _comments_kept(original, updated, self.dropped)
 
     def _drop_unused_aliases(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
-        kept = [alias for alias in names if _name_bound_by(alias) not in self.unused]
+        kept = [alias for alias in names if bound_name(alias) not in self.unused]
         if kept and len(kept) < len(names):  # the last one's comma (a trailing one, or none)
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
         return kept
@@ -536,10 +526,7 @@ def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | 
     small = statement.body[0]
     if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
         return None
-    module = "." * len(small.relative) + (
-        ".".join(_attribute_chain_names(small.module)) if small.module else ""
-    )
-    return module, [_name_bound_by(alias) for alias in small.names]
+    return import_module_text(small), [bound_name(alias) for alias in small.names]
 
 
 def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int) -> cst.Module:
@@ -585,13 +572,6 @@ def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int)
                 at = peers[-1][0] + 1 if peers else at
             body.insert(at, new)
     return module.with_changes(body=body)
-
-
-def _attribute_chain_names(node: cst.BaseExpression) -> list[str]:
-    if isinstance(node, cst.Attribute):
-        return [*_attribute_chain_names(node.value), node.attr.value]
-    assert isinstance(node, cst.Name)
-    return [node.value]
 
 
 #: A text's last line ending, as Python's tokenizer ends a line: ``\r\n``, a lone ``\r``, ``\n``.

@@ -435,6 +435,29 @@ def g(pg_collection):
     assert "megatron/core/_process_group_fallback.py" in texts  # in the top package: megatron/core
 
 
+def test_a_dotted_import_and_an_aliased_one_the_rewrite_leaves_unused_go(tmp_path: Path) -> None:
+    """``import a.b.c`` binds ``a`` and ``from m import x as y`` binds ``y``: the names read, so the ones that go
+    (an unread alias of the same statement stays, and so does an aliased dotted import nothing read)."""
+    source = """
+import megatron.core.parallel_state
+import megatron.core.tensor_parallel as tp_layers
+from megatron.core import parallel_state as ps, utils as u
+
+
+def f(x, pg_collection):
+    return megatron.core.parallel_state.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+"""
+    assert after(tmp_path, source) == """
+import megatron.core.tensor_parallel as tp_layers
+from megatron.core import utils as u
+from _process_group_fallback import pg_group
+
+
+def f(x, pg_collection):
+    return pg_group(pg_collection, "tp"), pg_group(pg_collection, "cp")
+"""
+
+
 @pytest.mark.parametrize("spelling", ["get_tensor_model_parallel_group_if_none",
                                       "\uff47et_tensor_model_parallel_group_if_none"])
 def test_an_import_the_rewrite_stops_reading_stays_while_another_function_reads_it(
