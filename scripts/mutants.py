@@ -1566,6 +1566,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_an_option_the_rule_does_not_read_is_refused_not_ignored",),
     ),
+    Mutant(
+        name="grads-read-as-parameters",
+        bug="grad_norm given the grads (as Megatron-Core's get_grad_norm_fp32 takes them) reads each grad's own "
+        ".grad, None: a norm of 0, a zero count of 0, a clip of nothing, without a word",
+        file="pgregistry/grad_stats/_functional.py",
+        find="    _refuse_tensors_without_grads(source, owner)\n",
+        replace="",
+        tests=("tests/grad_stats/test_grads_given_as_parameters.py::"
+               "test_grads_or_a_state_dict_given_as_parameters_are_refused_on_every_rank_naming_them",),
+    ),
 )
 
 
