@@ -1576,6 +1576,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_grads_given_as_parameters.py::"
                "test_grads_or_a_state_dict_given_as_parameters_are_refused_on_every_rank_naming_them",),
     ),
+    Mutant(
+        name="tensor-in-two-modules-counted-twice",
+        bug="a layer shared by two colocated modules is counted in both modules' norms (sqrt(10) for sqrt(6)) and "
+        "clipped once per module, by the square of the coefficient",
+        file="pgregistry/modules/_stats.py",
+        find="        error = _tensor_in_two_modules(given, modules, owner)\n",
+        replace="        pass\n",
+        tests=("tests/modules/test_modules_tensor_in_two_modules.py::"
+               "test_a_tensor_in_two_modules_models_is_refused_on_every_rank_naming_it",),
+    ),
 )
 
 
