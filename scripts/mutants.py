@@ -1586,6 +1586,39 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/modules/test_modules_tensor_in_two_modules.py::"
                "test_a_tensor_in_two_modules_models_is_refused_on_every_rank_naming_it",),
     ),
+    Mutant(
+        name="data-parallel-random-init-read-by-truth",
+        bug="seed_plan(layout, seed, data_parallel_random_init='no') reads the string as true: seeds with the "
+        "data-parallel offsets, which a job seeded without them never draws",
+        file="pgregistry/rng.py",
+        find="    require_layout(layout)\n    require_flag(data_parallel_random_init, \"data_parallel_random_init\")\n"
+        "    sizes = layout.axis_sizes()\n    first = layout.rank_range()[0]\n",
+        replace="    require_layout(layout)\n    sizes = layout.axis_sizes()\n    first = layout.rank_range()[0]\n",
+        tests=("tests/rng/test_rng_hostile_inputs.py::"
+               "test_a_data_parallel_random_init_that_is_no_bool_is_refused_not_read_as_true[seed_plan-1]",
+               "tests/rng/test_rng_hostile_inputs.py::"
+               "test_a_data_parallel_random_init_that_is_no_bool_is_refused_not_read_as_true[check_seed_plan-1]"),
+    ),
+    Mutant(
+        name="replicas-seeded-apart-by-a-truthy-flag",
+        bug="model_parallel_manual_seed(seed, pg, data_parallel_random_init='no') seeds each data-parallel replica "
+        "with its own offset: replicas initialised apart",
+        file="pgregistry/rng.py",
+        find="    require_flag(data_parallel_random_init, \"data_parallel_random_init\")\n    fields = seed_fields(",
+        replace="    fields = seed_fields(",
+        tests=("tests/rng/test_rng_hostile_inputs.py::test_a_data_parallel_random_init_that_is_no_bool_is_refused_"
+               "not_read_as_true[model_parallel_manual_seed-1]",),
+    ),
+    Mutant(
+        name="tracker-seeds-of-a-rank-outside-the-group",
+        bug="tracker_seeds(seed, tp_rank=-1) (torch's rank of a process outside a group) answers rank 0's "
+        "model-parallel seed minus one",
+        file="pgregistry/rng.py",
+        find="    rank = {name: non_negative_int(value, name) for name, value in ranks.items()}\n",
+        replace="    rank = dict(ranks)\n",
+        tests=("tests/rng/test_rng_hostile_inputs.py::test_tracker_seeds_refuses_a_rank_or_size_that_is_none"
+               "[tp_rank=-1]",),
+    ),
 )
 
 
