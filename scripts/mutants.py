@@ -1619,6 +1619,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/rng/test_rng_hostile_inputs.py::test_tracker_seeds_refuses_a_rank_or_size_that_is_none"
                "[tp_rank=-1]",),
     ),
+    Mutant(
+        name="expert-keys-strict-read-by-truth",
+        bug="globalize_expert_keys(..., strict=None) renames a partial state dict as strict=False does: 16 experts "
+        "given for a model of 8 name rank 1's experts 8-11, without a word",
+        file="pgregistry/experts/_keys.py",
+        find="    strict = require_flag(strict, \"strict\")\n    renamed = _rename_expert_keys(\n",
+        replace="    renamed = _rename_expert_keys(\n",
+        tests=("tests/experts/test_experts_keys.py::test_a_strict_that_is_no_bool_is_refused_not_read_by_its_truth"
+               "[None]",),
+    ),
 )
 
 
