@@ -1629,6 +1629,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_experts_keys.py::test_a_strict_that_is_no_bool_is_refused_not_read_by_its_truth"
                "[None]",),
     ),
+    Mutant(
+        name="one-global-name-for-two-parameters",
+        bug="named_global_parameters of chunks given the same layer offset names two parameters alike: an "
+        "optimizer's state keyed by global_param_name_fn holds one of them under both",
+        file="pgregistry/experts/_names.py",
+        find="            if name in holders:\n"
+        "                raise _one_name_twice(name, holders[name], (index, local_name))\n",
+        replace="",
+        tests=("tests/experts/test_experts_names.py::test_two_parameters_given_one_global_name_are_refused_naming_both",),
+    ),
+    Mutant(
+        name="one-experts-name-of-a-wrong-num-experts",
+        bug="get_global_unique_param_name with num_experts=16 for a model of 8 at EP 2 names rank 1's local expert 0 "
+        "as 8 (4 is right), where named_global_parameters refuses",
+        file="pgregistry/experts/_names.py",
+        find="                return namer.name_with_its_family(index, local_name)\n",
+        replace="                return namer.name(index, local_name)\n",
+        tests=("tests/experts/test_experts_names.py::"
+               "test_one_experts_name_refuses_a_num_experts_its_chunk_does_not_hold",),
+    ),
 )
 
 
