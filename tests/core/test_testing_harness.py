@@ -3,6 +3,7 @@ orphan ranks."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -215,5 +216,25 @@ def test_a_ranks_keyboard_interrupt_is_that_ranks_failure_not_the_callers() -> N
 
 
 def test_world_size_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="world_size must be positive, got 0"):
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
         run_world(0, _identify, 1, offset=0)
+
+
+@pytest.mark.parametrize(("world_size", "timeout", "message"), [
+    (True, 10.0, "world_size must be a positive integer, got True"),
+    (2.0, 10.0, "world_size must be a positive integer, got 2.0"),
+    ("2", 10.0, "world_size must be a positive integer, got '2'"),
+    (1, 0, "timeout must be a positive, finite number of seconds, got 0"),
+    (1, -1, "timeout must be a positive, finite number of seconds, got -1"),
+    (1, math.nan, "timeout must be a positive, finite number of seconds, got nan"),
+    (1, math.inf, "timeout must be a positive, finite number of seconds, got inf"),
+    (1, "5", "timeout must be a positive, finite number of seconds, got '5'"),
+])
+def test_a_world_size_or_timeout_that_is_none_is_named_before_any_rank_starts(
+    world_size: object, timeout: object, message: str
+) -> None:
+    """Found by the third hostile-input round: ``run_world(True, ...)`` ran one rank; ``timeout=0`` timed the world
+    out, blaming a rank that "skipped or mismatched a collective"; -1 failed in gloo's ``timeout.count() >= 0``, inf
+    in ``timestamp out of range``, ``'5'`` and ``2.0`` in Python's operators."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_world(world_size, _identify, 1, offset=0, timeout=timeout)  # type: ignore[arg-type]
