@@ -43,7 +43,7 @@ _INDEX: Final = re.compile(r"[0-9]+")
 _GROUPED_TAIL: Final = re.compile(r"(weight|bias)([0-9]+)(_w|_v)?")
 
 
-def _integer(name: str, value: object) -> int:
+def _plain_integer(name: str, value: object) -> int:
     """``value`` as an int (an integer of any type: ``np.int64`` too), else ``ValueError``.
 
     A bool is no expert index."""
@@ -67,7 +67,7 @@ def _num_local(num_experts: int, ep_size: int) -> int:
 
 def check_ep(ep_rank: int, ep_size: int) -> tuple[int, int]:
     """``(ep_rank, ep_size)`` as ints: integers, ``0 <= ep_rank < ep_size``; else ``ValueError``."""
-    rank, size = _integer("ep_rank", ep_rank), _integer("ep_size", ep_size)
+    rank, size = _plain_integer("ep_rank", ep_rank), _plain_integer("ep_size", ep_size)
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"ep_rank {rank} is not a rank of an expert-parallel group of size {size}")
     return rank, size
@@ -97,7 +97,7 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
     """
     ep_rank, ep_size = check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
-    local_index = _integer("local_index", local_index)
+    local_index = _plain_integer("local_index", local_index)
     if not 0 <= local_index < num_local:
         raise ValueError(
             f"local expert index {local_index} is out of range: {num_experts} "
@@ -128,7 +128,7 @@ def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int
         (2, 1)
     """
     num_local = _num_local(num_experts, ep_size)
-    global_index = _integer("global_index", global_index)
+    global_index = _plain_integer("global_index", global_index)
     if not 0 <= global_index < num_local * ep_size:
         raise ValueError(
             f"global expert index {global_index} is out of range for {num_experts} experts"

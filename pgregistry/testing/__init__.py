@@ -147,12 +147,7 @@ def run_world(
         assert run_world(4, rank_sizes) == [2, 2, 2, 2]
     """
     world_size = positive_int(world_size, "world_size")
-    if (
-        not isinstance(timeout, int | float)
-        or isinstance(timeout, bool)
-        or not 0 < timeout < math.inf
-    ):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    check_deadline(timeout)
     # Import torch once here, so every forked rank inherits it instead of importing it again
     # (seconds each).
     import torch.distributed  # noqa: F401
@@ -208,6 +203,18 @@ def run_world(
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
         watcher.dismiss()
+
+
+def check_deadline(timeout: object) -> None:
+    """``ValueError`` unless ``timeout`` is a positive, finite number of seconds (no bool).
+
+    0 timed every world out, blaming its ranks; -1 failed inside gloo, inf inside ``time``."""
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 < timeout < math.inf
+    ):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
 
 
 def _child_main(

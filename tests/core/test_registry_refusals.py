@@ -146,7 +146,7 @@ def test_a_group_one_of_its_ranks_leaves_out_of_adopt_is_refused_on_every_rank()
     """Rank 1 adopted nothing while rank 0 adopted their pair: the build then raised on rank 1 alone ("must be a
     torch ProcessGroup; got int -100"), and rank 0 waited in its first all-reduce over the pair for the world's
     timeout."""
-    results = run_world(4, _adopt_with_a_group_omitted, timeout=WORLD_TIMEOUT_S)
+    results = run_world(4, _adopt_with_a_group_omitted, timeout=30.0)
     for rank, out in enumerate(results):
         assert out["omitted"].startswith(
             "ValueError: adopt: rank 1 did not pass its communicator of ranks [0, 1], which rank(s) [0] passed"
