@@ -272,6 +272,8 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
         TypeError: on every rank, before anything is adopted, a rank passing no iterable of process
             groups (a name such as ``'tp'``, a number, ``None``, which torch.distributed reads as
             the world), naming the rank and what it passed.
+        ValueError: on every rank, before anything is adopted, a group some of its ranks passed and
+            another of its ranks did not, naming that rank and the group's ranks.
 
     Example::
 

@@ -46,6 +46,8 @@ from typing import Any, Final, Literal
 import attrs
 import torch
 
+from pgregistry._runtime.flags import require_flag
+from pgregistry._runtime.integers import non_negative_int, plain_int, positive_int
 from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.layout import ParallelLayout, require_layout
@@ -156,7 +158,7 @@ class RNGStatesTracker:
         for ``""``).
         """
         _check_name(name)
-        _check_seed(seed, name)
+        seed = _check_seed(seed, name)
         if name in self._states:
             raise ValueError(f"RNG tracker {name!r} already exists")
         if seed in self._seeds:
@@ -187,10 +189,16 @@ class RNGStatesTracker:
         return {name: tuple(t.clone() for t in state) for name, state in self._states.items()}
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
-        """Set all streams' states (from :meth:`get_states` of a tracker of as many generators)."""
+        """Set all streams' states (from :meth:`get_states` of a tracker of as many generators).
+
+        Each state is checked against the generator it is for (a ``uint8`` tensor of that
+        generator's state size): a state of another size or dtype was taken, and failed at the
+        stream's first ``fork`` in torch's words, naming no stream. ``ValueError`` naming the stream
+        and the generator; nothing is set then."""
         if self._current is not None:
             raise RuntimeError(f"cannot set RNG states inside fork({self._current!r})")
-        count = len(self.generators)
+        generators = self.generators
+        count = len(generators)
         checked: dict[str, RNGState] = {}
         for name, state in states.items():
             _check_name(name)
@@ -200,6 +208,15 @@ class RNGStatesTracker:
                     f"state of RNG tracker {name!r} must be {count} "
                     f"tensors (one per generator), got {len(state)} items"
                 )
+            for index, (generator, tensor) in enumerate(zip(generators, state, strict=True)):
+                own = generator.get_state()
+                if tensor.dtype != own.dtype or tensor.shape != own.shape:
+                    raise ValueError(
+                        f"state of RNG tracker {name!r} for generator {index} ({generator.device}) "
+                        f"is a {tensor.dtype} tensor of shape {tuple(tensor.shape)}, but that "
+                        f"generator's state is {own.dtype} of shape {tuple(own.shape)}: was it "
+                        "saved by a tracker of other generators?"
+                    )
             checked[name] = tuple(t.clone() for t in state)
         self._states = checked
 
@@ -247,9 +264,14 @@ def _check_name(name: object) -> None:
         raise ValueError("RNG tracker name must be a non-empty str, got ''")
 
 
-def _check_seed(seed: object, what: str) -> None:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < _MAX_SEED:
+def _check_seed(seed: object, what: str) -> int:
+    """``seed`` as an int (an integer of any type: ``np.int64`` too), or ``ValueError``.
+
+    It must lie in [0, 2**64), torch's range; a bool or a float is no seed."""
+    number = plain_int(seed)
+    if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < _MAX_SEED:
         raise ValueError(f"seed for {what} must be an integer in [0, 2**64), got {seed!r}")
+    return number
 
 
 _default_tracker = RNGStatesTracker()
@@ -298,22 +320,36 @@ def tracker_seeds(
         Tracker name -> seed.
 
     Raises:
-        ValueError: ``seed`` not an integer in [0, 2**64).
+        ValueError: ``seed`` not an integer in [0, 2**64); a rank that is no integer of 0 or more
+            (-1, torch's rank of a process outside a group, gave seeds of another rank's
+            neighbours), a size that is no positive integer, a GTP-remat rank not below its size.
 
     Example:
         >>> tracker_seeds(1234, tp_rank=1)
         {'data-parallel-rng': 1234, 'model-parallel-rng': 3953, 'expert-parallel-rng': 2258}
     """
-    _check_seed(seed, "the base seed")
+    gtp_size = positive_int(gtp_remat_size, "gtp_remat_size")
+    egtp_size = positive_int(expt_gtp_remat_size, "expt_gtp_remat_size")
+    ranks = {
+        "tp_rank": tp_rank,
+        "ep_rank": ep_rank,
+        "expt_tp_rank": expt_tp_rank,
+        "gtp_remat_rank": gtp_remat_rank,
+        "expt_gtp_remat_rank": expt_gtp_remat_rank,
+    }
+    rank = {name: non_negative_int(value, name) for name, value in ranks.items()}
+    for name, size in (("gtp_remat_rank", gtp_size), ("expt_gtp_remat_rank", egtp_size)):
+        if rank[name] >= size:
+            raise ValueError(f"{name} {rank[name]} is not a rank of a group of size {size}")
     return _offset_seeds(
-        seed,
-        tp_rank,
-        ep_rank,
-        expt_tp_rank,
-        gtp_remat_rank,
-        gtp_remat_size,
-        expt_gtp_remat_rank,
-        expt_gtp_remat_size,
+        _check_seed(seed, "the base seed"),
+        rank["tp_rank"],
+        rank["ep_rank"],
+        rank["expt_tp_rank"],
+        rank["gtp_remat_rank"],
+        gtp_size,
+        rank["expt_gtp_remat_rank"],
+        egtp_size,
     )
 
 
@@ -385,8 +421,7 @@ def rank_seeds(
 
 
 def _base_seed(seed: int, pp_rank: int, dp_rank: int, data_parallel_random_init: bool) -> int:
-    _check_seed(seed, "the job")
-    base = seed + _PIPELINE_STRIDE * pp_rank
+    base = _check_seed(seed, "the job") + _PIPELINE_STRIDE * pp_rank
     if data_parallel_random_init:
         base += _DATA_PARALLEL_STRIDE * dp_rank
     return base
@@ -421,7 +456,8 @@ def model_parallel_manual_seed(
         Tracker name -> seed, for this rank.
 
     Raises:
-        TypeError: ``pg_collection`` neither a collection nor ``None``.
+        TypeError: ``pg_collection`` neither a collection nor ``None``;
+            ``data_parallel_random_init`` not ``True`` or ``False`` (``"no"`` read as true).
         ValueError: a seed outside [0, 2**64) (base seed plus offsets; :func:`check_seed_plan` finds
             them ahead); two streams of one seed on this rank; a collection this rank is not a
             member of, or destroyed.
@@ -433,6 +469,7 @@ def model_parallel_manual_seed(
         with get_rng_tracker().fork():  # the model-parallel stream
             init.normal_(weight)
     """
+    require_flag(data_parallel_random_init, "data_parallel_random_init")
     fields = seed_fields(data_parallel_random_init)
     collection = resolve_pg_collection(
         pg_collection, owner="model_parallel_manual_seed", fallback=fields
@@ -498,7 +535,8 @@ def seed_plan(
 
     Raises:
         ValueError: ``seed`` not an integer in [0, 2**64).
-        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`;
+            ``data_parallel_random_init`` not ``True`` or ``False``.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -520,6 +558,7 @@ def _rank_seeds(
 ) -> Iterator[tuple[int, dict[str, int], dict[str, int]]]:
     """``(rank, coordinates, tracker name -> seed)`` for every rank of ``layout``, in rank order."""
     require_layout(layout)
+    require_flag(data_parallel_random_init, "data_parallel_random_init")
     sizes = layout.axis_sizes()
     first = layout.rank_range()[0]
     for rank in range(*layout.rank_range()):
@@ -653,7 +692,8 @@ def check_seed_plan(
 
     Raises:
         ValueError: ``seed`` not an integer in [0, 2**64).
-        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`;
+            ``data_parallel_random_init`` not ``True`` or ``False``.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -757,7 +797,8 @@ def check_seed_plan_size(
 
     Raises:
         ValueError: ``seed`` not an integer in [0, 2**64).
-        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
+        TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`;
+            ``data_parallel_random_init`` not ``True`` or ``False``.
 
     Example:
         >>> from pgregistry.layout import ParallelLayout
@@ -765,6 +806,7 @@ def check_seed_plan_size(
         (5, 0)
     """
     require_layout(layout)
+    require_flag(data_parallel_random_init, "data_parallel_random_init")
     sizes = layout.axis_sizes()
     streams = 0
     active = [t for t in _STREAM_AXES if t not in (GTP_REMAT_RNG, EGTP_REMAT_RNG)]

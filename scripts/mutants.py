@@ -1566,6 +1566,89 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_an_option_the_rule_does_not_read_is_refused_not_ignored",),
     ),
+    Mutant(
+        name="grads-read-as-parameters",
+        bug="grad_norm given the grads (as Megatron-Core's get_grad_norm_fp32 takes them) reads each grad's own "
+        ".grad, None: a norm of 0, a zero count of 0, a clip of nothing, without a word",
+        file="pgregistry/grad_stats/_functional.py",
+        find="    _refuse_tensors_without_grads(source, owner)\n",
+        replace="",
+        tests=("tests/grad_stats/test_grads_given_as_parameters.py::"
+               "test_grads_or_a_state_dict_given_as_parameters_are_refused_on_every_rank_naming_them",),
+    ),
+    Mutant(
+        name="tensor-in-two-modules-counted-twice",
+        bug="a layer shared by two colocated modules is counted in both modules' norms (sqrt(10) for sqrt(6)) and "
+        "clipped once per module, by the square of the coefficient",
+        file="pgregistry/modules/_stats.py",
+        find="        error = _tensor_in_two_modules(given, modules, owner)\n",
+        replace="        pass\n",
+        tests=("tests/modules/test_modules_tensor_in_two_modules.py::"
+               "test_a_tensor_in_two_modules_models_is_refused_on_every_rank_naming_it",),
+    ),
+    Mutant(
+        name="data-parallel-random-init-read-by-truth",
+        bug="seed_plan(layout, seed, data_parallel_random_init='no') reads the string as true: seeds with the "
+        "data-parallel offsets, which a job seeded without them never draws",
+        file="pgregistry/rng.py",
+        find="    require_layout(layout)\n    require_flag(data_parallel_random_init, \"data_parallel_random_init\")\n"
+        "    sizes = layout.axis_sizes()\n    first = layout.rank_range()[0]\n",
+        replace="    require_layout(layout)\n    sizes = layout.axis_sizes()\n    first = layout.rank_range()[0]\n",
+        tests=("tests/rng/test_rng_hostile_inputs.py::"
+               "test_a_data_parallel_random_init_that_is_no_bool_is_refused_not_read_as_true[seed_plan-1]",
+               "tests/rng/test_rng_hostile_inputs.py::"
+               "test_a_data_parallel_random_init_that_is_no_bool_is_refused_not_read_as_true[check_seed_plan-1]"),
+    ),
+    Mutant(
+        name="replicas-seeded-apart-by-a-truthy-flag",
+        bug="model_parallel_manual_seed(seed, pg, data_parallel_random_init='no') seeds each data-parallel replica "
+        "with its own offset: replicas initialised apart",
+        file="pgregistry/rng.py",
+        find="    require_flag(data_parallel_random_init, \"data_parallel_random_init\")\n    fields = seed_fields(",
+        replace="    fields = seed_fields(",
+        tests=("tests/rng/test_rng_hostile_inputs.py::test_a_data_parallel_random_init_that_is_no_bool_is_refused_"
+               "not_read_as_true[model_parallel_manual_seed-1]",),
+    ),
+    Mutant(
+        name="tracker-seeds-of-a-rank-outside-the-group",
+        bug="tracker_seeds(seed, tp_rank=-1) (torch's rank of a process outside a group) answers rank 0's "
+        "model-parallel seed minus one",
+        file="pgregistry/rng.py",
+        find="    rank = {name: non_negative_int(value, name) for name, value in ranks.items()}\n",
+        replace="    rank = dict(ranks)\n",
+        tests=("tests/rng/test_rng_hostile_inputs.py::test_tracker_seeds_refuses_a_rank_or_size_that_is_none"
+               "[tp_rank=-1]",),
+    ),
+    Mutant(
+        name="expert-keys-strict-read-by-truth",
+        bug="globalize_expert_keys(..., strict=None) renames a partial state dict as strict=False does: 16 experts "
+        "given for a model of 8 name rank 1's experts 8-11, without a word",
+        file="pgregistry/experts/_keys.py",
+        find="    strict = require_flag(strict, \"strict\")\n    renamed = _rename_expert_keys(\n",
+        replace="    renamed = _rename_expert_keys(\n",
+        tests=("tests/experts/test_experts_keys.py::test_a_strict_that_is_no_bool_is_refused_not_read_by_its_truth"
+               "[None]",),
+    ),
+    Mutant(
+        name="one-global-name-for-two-parameters",
+        bug="named_global_parameters of chunks given the same layer offset names two parameters alike: an "
+        "optimizer's state keyed by global_param_name_fn holds one of them under both",
+        file="pgregistry/experts/_names.py",
+        find="            if name in holders:\n"
+        "                raise _one_name_twice(name, holders[name], (index, local_name))\n",
+        replace="",
+        tests=("tests/experts/test_experts_names.py::test_two_parameters_given_one_global_name_are_refused_naming_both",),
+    ),
+    Mutant(
+        name="one-experts-name-of-a-wrong-num-experts",
+        bug="get_global_unique_param_name with num_experts=16 for a model of 8 at EP 2 names rank 1's local expert 0 "
+        "as 8 (4 is right), where named_global_parameters refuses",
+        file="pgregistry/experts/_names.py",
+        find="                return namer.name_with_its_family(index, local_name)\n",
+        replace="                return namer.name(index, local_name)\n",
+        tests=("tests/experts/test_experts_names.py::"
+               "test_one_experts_name_refuses_a_num_experts_its_chunk_does_not_hold",),
+    ),
 )
 
 

@@ -307,6 +307,7 @@ class GroupCache:
             mine.setdefault(tuple(sorted(dist.get_process_group_ranks(group))), group)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sorted(mine))
+        _refuse_omitted_groups([{tuple(ranks) for ranks in sets} for sets in everyone])
         non_member: Any = dist.GroupMember.NON_GROUP_MEMBER
         for ranks in sorted({tuple(r) for sets in everyone for r in sets}):
             if ranks not in self._groups:
@@ -328,6 +329,32 @@ class GroupCache:
         self._groups.clear()
         self._adopted.clear()
         self._twins.clear()
+
+
+def _refuse_omitted_groups(passed: list[set[RankGroup]]) -> None:
+    """``ValueError`` when a rank did not pass a group it belongs to that another rank passed.
+
+    ``passed[r]`` is the rank sets rank ``r`` passed to :meth:`GroupCache.adopt`, gathered, so every
+    rank finds the same and raises alike. Recorded as it was, the omitting rank held that rank set
+    as torch's ``NON_GROUP_MEMBER``: a later build raised there, naming no cause, while its peers
+    went on with the adopted communicator and waited for it in their first collective."""
+    omitted = {
+        (rank, ranks)
+        for sets in passed
+        for ranks in sets
+        for rank in ranks
+        if rank < len(passed) and ranks not in passed[rank]
+    }
+    if not omitted:
+        return
+    rank, ranks = min(omitted)
+    givers = [other for other, sets in enumerate(passed) if ranks in sets]
+    raise ValueError(
+        f"adopt: rank {rank} did not pass its communicator of ranks {list(ranks)}, which rank(s) "
+        f"{givers} passed ({len(omitted)} such omission(s)): every rank passes every group it "
+        "belongs to, else a later build reuses the communicator on some of its ranks and waits "
+        "for the others"
+    )
 
 
 CACHE = GroupCache()

@@ -16,10 +16,24 @@ __all__ = ["non_negative_int", "plain_int", "positive_int"]
 def plain_int(value: object) -> object:
     """An integer of any type (``np.int64``) as an int; anything else (a bool) as given.
 
-    For a check that takes ``int`` alone, or a value agreed over ranks by its ``repr``."""
+    For a check that takes ``int`` alone, or a value agreed over ranks by its ``repr``. A value
+    whose ``__index__`` refuses it (a float tensor: "only integer tensors of a single element can
+    be converted to an index", naming no argument) is given back too, for the check to name."""
     if isinstance(value, SupportsIndex) and not isinstance(value, bool | int):
-        return operator.index(value)
+        try:
+            return operator.index(value)
+        except TypeError:
+            return value
     return value
+
+
+def _as_integer(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # a float tensor says it has an index and then refuses it
+        return None
 
 
 def positive_int(value: object, name: str) -> int:
@@ -36,9 +50,3 @@ def non_negative_int(value: object, name: str) -> int:
     if number is None or number < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return number
-
-
-def _as_integer(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        return None
-    return operator.index(value)

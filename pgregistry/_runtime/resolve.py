@@ -184,11 +184,25 @@ def params_of_source(source: Source) -> Params:
     seen: set[int] = set()
     for name, param in pairs:
         if not isinstance(param, torch.Tensor):
-            raise TypeError(f"{name} is a {type(param).__name__}, not a tensor or parameter")
+            raise TypeError(
+                f"{name} is a {type(param).__name__}, not a tensor or parameter{_hint_for(param)}"
+            )
         if id(param) not in seen:
             seen.add(id(param))
             named.append((name, param))
     return Params(source.chunks, tuple(named))
+
+
+def _hint_for(item: object) -> str:
+    """What to pass instead of ``item`` when it is a ``(name, tensor)`` pair (named_parameters)."""
+    import torch
+
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+        return (
+            f" (a (name, tensor) pair: {item[0]!r}): pass dict(model.named_parameters()), the "
+            "model, or model.parameters()"
+        )
+    return ""
 
 
 def resolve_pg_collection(

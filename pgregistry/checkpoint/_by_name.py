@@ -196,17 +196,13 @@ def rank_model(
             f"{owner} stores whole tensors, but the model's {', '.join(unsharded)} axis has "
             "more than one rank; GTP-remat shards are not resharded by pgregistry.checkpoint"
         )
-    params: dict[str, nn.Parameter] = {}
     namer = GlobalNamer(
         chunks,
         lambda: collection,
         num_experts=naming.get("num_experts"),
         layer_offsets=naming.get("layer_offsets"),
     )
-    for name, param in global_names(namer):
-        if name in params:
-            raise ValueError(f"two parameters of the model have the global name {name!r}")
-        params[name] = param
+    params: dict[str, nn.Parameter] = dict(global_names(namer))  # one name each, or it raised
     tp, expt_tp = collection.get("tp"), collection.get("expt_tp")
     sharded = {}
     for name, param in params.items():

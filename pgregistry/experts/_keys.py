@@ -25,6 +25,9 @@ from typing import Final, Literal, TypeVar
 
 import attrs
 
+from pgregistry._runtime.flags import require_flag
+from pgregistry._runtime.integers import plain_int, positive_int
+
 __all__ = [
     "expert_owner",
     "global_expert_index",
@@ -40,10 +43,14 @@ _INDEX: Final = re.compile(r"[0-9]+")
 _GROUPED_TAIL: Final = re.compile(r"(weight|bias)([0-9]+)(_w|_v)?")
 
 
-def _check_integer(name: str, value: object) -> None:
-    """``ValueError`` naming ``name`` unless ``value`` is an int (a bool is no expert index)."""
-    if not isinstance(value, int) or isinstance(value, bool):
+def _plain_integer(name: str, value: object) -> int:
+    """``value`` as an int (an integer of any type: ``np.int64`` too), else ``ValueError``.
+
+    A bool is no expert index."""
+    number = plain_int(value)
+    if not isinstance(number, int) or isinstance(number, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    return number
 
 
 def _num_local(num_experts: int, ep_size: int) -> int:
@@ -51,22 +58,19 @@ def _num_local(num_experts: int, ep_size: int) -> int:
 
     ``ep_size`` is checked here too: :func:`expert_owner` takes no rank to check it with, and a zero
     divided by zero, a negative one answered wrong owners."""
-    for name, size in (("num_experts", num_experts), ("ep_size", ep_size)):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{name} must be a positive integer, got {size!r}")
-    if num_experts % ep_size:
-        raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts}")
-    return num_experts // ep_size
+    experts = positive_int(num_experts, "num_experts")
+    size = positive_int(ep_size, "ep_size")
+    if experts % size:
+        raise ValueError(f"ep_size {size} does not divide num_experts {experts}")
+    return experts // size
 
 
-def check_ep(ep_rank: int, ep_size: int) -> None:
-    """``ValueError`` unless ``ep_rank``, ``ep_size`` are ints with ``0 <= ep_rank < ep_size``."""
-    _check_integer("ep_rank", ep_rank)
-    _check_integer("ep_size", ep_size)
-    if ep_size < 1 or not 0 <= ep_rank < ep_size:
-        raise ValueError(
-            f"ep_rank {ep_rank} is not a rank of an expert-parallel group of size {ep_size}"
-        )
+def check_ep(ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """``(ep_rank, ep_size)`` as ints: integers, ``0 <= ep_rank < ep_size``; else ``ValueError``."""
+    rank, size = _plain_integer("ep_rank", ep_rank), _plain_integer("ep_size", ep_size)
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"ep_rank {rank} is not a rank of an expert-parallel group of size {size}")
+    return rank, size
 
 
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
@@ -91,9 +95,9 @@ def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_siz
         >>> global_expert_index(1, num_experts=8, ep_rank=2, ep_size=4)
         5
     """
-    check_ep(ep_rank, ep_size)
+    ep_rank, ep_size = check_ep(ep_rank, ep_size)
     num_local = _num_local(num_experts, ep_size)
-    _check_integer("local_index", local_index)
+    local_index = _plain_integer("local_index", local_index)
     if not 0 <= local_index < num_local:
         raise ValueError(
             f"local expert index {local_index} is out of range: {num_experts} "
@@ -124,8 +128,8 @@ def expert_owner(global_index: int, num_experts: int, ep_size: int) -> tuple[int
         (2, 1)
     """
     num_local = _num_local(num_experts, ep_size)
-    _check_integer("global_index", global_index)
-    if not 0 <= global_index < num_experts:
+    global_index = _plain_integer("global_index", global_index)
+    if not 0 <= global_index < num_local * ep_size:
         raise ValueError(
             f"global expert index {global_index} is out of range for {num_experts} experts"
         )
@@ -227,14 +231,16 @@ def globalize_expert_keys(
         ValueError: an expert key present and ``num_experts`` ``None``; an ``ep_size`` that does not
             divide ``num_experts``; a key's local index not below ``num_experts // ep_size``; with
             ``strict``, a family of expert keys missing a local expert.
-        TypeError: ``state_dict`` no mapping, or a key of it no str.
+        TypeError: ``state_dict`` no mapping, or a key of it no str; ``strict`` not ``True`` or
+            ``False`` (``None`` was read as false).
 
     Example:
         >>> local = {"local_experts.0.w": "a", "local_experts.1.w": "b", "embedding.w": "c"}
         >>> globalize_expert_keys(local, num_experts=8, ep_rank=1, ep_size=4)
         {'local_experts.2.w': 'a', 'local_experts.3.w': 'b', 'embedding.w': 'c'}
     """
-    check_ep(ep_rank, ep_size)
+    ep_rank, ep_size = check_ep(ep_rank, ep_size)
+    strict = require_flag(strict, "strict")
     renamed = _rename_expert_keys(
         state_dict, num_experts, lambda key, slot, n: global_key(key, slot, n, ep_rank, ep_size)
     )
@@ -287,7 +293,8 @@ def localize_expert_keys(
         >>> localize_expert_keys(whole, num_experts=4, ep_rank=1, ep_size=2, foreign="skip")
         {'local_experts.0.w': 2, 'local_experts.1.w': 3}
     """
-    check_ep(ep_rank, ep_size)
+    ep_rank, ep_size = check_ep(ep_rank, ep_size)
+    strict = require_flag(strict, "strict")
     if foreign not in ("raise", "skip"):
         raise ValueError(f"foreign must be 'raise' or 'skip', got {foreign!r}")
 

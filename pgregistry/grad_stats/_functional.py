@@ -19,13 +19,15 @@ replica whose grads are not.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from pgregistry._runtime.resolve import (
     ParamsLike,
+    Source,
     normalise_params,
     resolve_pg_collection,
     source_of,
@@ -130,6 +132,41 @@ def verdict_groups(
     return (collection.get("intra_dist_opt"), *((inter,) if group_size(inter) > 1 else ()))
 
 
+def _refuse_tensors_without_grads(source: Source, owner: str) -> None:
+    """``ValueError`` when tensors were given and none of them holds a grad or can get one.
+
+    Such tensors are grads themselves (Megatron-Core's ``get_grad_norm_fp32`` and torch's
+    ``get_total_norm`` take grads) or a ``state_dict``'s detached copies, whose ``.grad`` is
+    ``None``: read as parameters without grads they gave a norm of 0, a zero count of 0 and a clip
+    of nothing, on every rank, without a word. A tensor that can hold a grad is a parameter, one
+    that requires grad, or one whose ``.grad`` is set (a main copy's, assigned by hand). Local and
+    free on the usual path: the first parameter ends the look. Every rank given such tensors raises
+    before any collective; one given them while its peers are given parameters raises alone."""
+    tensors = source.tensors
+    if not tensors or any(map(_may_hold_a_grad, tensors)):
+        return
+    first = tensors[0]
+    name = next(iter(source.given)) if isinstance(source.given, Mapping) else "param[0]"
+    raise ValueError(
+        f"{owner} reads the .grad of the parameters it is given, but none of the {len(tensors)} "
+        f"tensor(s) given has a grad or can get one ({name!r} is a {type(first).__name__} of "
+        f"shape {tuple(first.shape)}, not a parameter, requires_grad=False, .grad None): are they "
+        "grads (Megatron-Core's get_grad_norm_fp32 and torch's get_total_norm take grads) or a "
+        "state_dict's detached copies? Pass the parameters (the model, or model.parameters()); "
+        "for grads you filtered yourself, use pgregistry.grad_stats.norm_of_grads"
+    )
+
+
+def _may_hold_a_grad(tensor: object) -> bool:
+    """Whether ``tensor`` is no tensor (named later), a parameter, requires grad or has a grad."""
+    return (
+        not isinstance(tensor, torch.Tensor)
+        or isinstance(tensor, nn.Parameter)
+        or tensor.requires_grad
+        or tensor.grad is not None
+    )
+
+
 def _read_reduce_and_clip(
     params: ParamsLike,
     pg_collection: ProcessGroupCollection | None,
@@ -142,6 +179,7 @@ def _read_reduce_and_clip(
 
     See the module docstring. ``max_norm`` is checked by the caller before any collective."""
     source = source_of(params)
+    _refuse_tensors_without_grads(source, owner)
     given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
     plan, ordered, collection = check_or_make_plan(source, given, owner)
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
@@ -188,8 +226,9 @@ def grad_norm(
             ``None``.
         ValueError: ``norm_type`` not positive; given a model or model chunks, parameters of a
             marked expert module without an EP classification (:func:`check_expert_classification`);
-            a collection that disagrees with the model's attached one, that this rank is not a
-            member of, or that was destroyed.
+            given tensors, none that has a grad or can get one (grads, a ``state_dict``'s copies:
+            pass the parameters); a collection that disagrees with the model's attached one, that
+            this rank is not a member of, or that was destroyed.
 
     Example::
 

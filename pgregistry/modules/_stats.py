@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,12 +43,18 @@ from pgregistry._runtime.agreement import (
     verdict_of,
 )
 from pgregistry._runtime.communicators import span_text
-from pgregistry._runtime.resolve import ParamsLike, normalise_params
+from pgregistry._runtime.resolve import (
+    ParamsLike,
+    normalise_params,
+    resolve_pg_collection,
+    source_of,
+)
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.grad_stats._lists import check_finite
+from pgregistry.grad_stats._plan import check_or_make_plan
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
@@ -90,7 +97,7 @@ def grad_norm(
         ValueError: on every rank, naming each culprit rank and module: ranks listing other modules
             or spans; a model for a module this rank does not run, none for one it runs, or a model
             the module's statistics refuse (an unclassified expert parameter, another collection
-            attached).
+            attached); a tensor in the models of two modules a rank runs (counted in both).
 
     Example::
 
@@ -439,9 +446,47 @@ def _agree_on_models(
         check_expert_classification(model, collection)
 
     given, error = check_models(models, modules, owner, statistics_accept)
+    if error is None:
+        error = _tensor_in_two_modules(given, modules, owner)
     fields = {**describe_modules(modules), **options}
     check_agreement(owner, fields, combine_faults(extra_error, error), advice=MODULES_ADVICE)
     return given
+
+
+def _tensor_in_two_modules(
+    given: Mapping[str, ParamsLike], modules: MultiModuleCollection, owner: str
+) -> str | None:
+    """Why the models of the modules this rank runs cannot be counted apart, or ``None``.
+
+    A tensor in the models of two modules (a layer shared by two colocated modules, one model given
+    for both) was counted in each module's statistic, and clipped once per module: a job-wide norm
+    of ``sqrt(10)`` for the ``sqrt(6)`` of the distinct grads, the shared grad scaled by the square
+    of the coefficient. Only a rank running several modules can hold one; it reads each model's
+    parameters from its kept plan (:func:`~pgregistry.grad_stats._plan.check_or_make_plan`, which
+    the statistic then reuses: no walk of the model per call) and compares their ids at C speed.
+    Local: the caller agrees on the answer."""
+    if len(given) < 2:
+        return None
+    holder: dict[int, str] = {}
+    for name, model in given.items():
+        try:
+            source = source_of(model)
+            collection = resolve_pg_collection(modules[name], source.chunks, owner=owner)
+            plan, params, _ = check_or_make_plan(source, collection, owner)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            return f"module {name!r}: {exc}"
+        ids = list(map(id, params))
+        shared = holder.keys() & ids
+        if shared:
+            position = next(i for i, tensor_id in enumerate(ids) if tensor_id in shared)
+            return (
+                f"parameter {plan.names[position]!r} of module {name!r} is also in the model of "
+                f"module {holder[ids[position]]!r} on this rank: a tensor in two modules' models "
+                "would be counted in both modules' statistics and clipped once per module; give it "
+                "to one module's model only, or give each module its own copy"
+            )
+        holder.update(zip(ids, repeat(name)))
+    return None
 
 
 def _local_grads(model: ParamsLike) -> list[torch.Tensor]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import faulthandler
+import math
 import os
 import pickle
 import select
@@ -55,6 +56,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from pgregistry._runtime.integers import positive_int
 from pgregistry.testing._world_watcher import WorldWatcher, end_process_group
 
 __all__ = ["RankFailure", "WorldTimeout", "run_world"]
@@ -128,7 +130,9 @@ def run_world(
         ``fn``'s result on each rank, in rank order.
 
     Raises:
-        ValueError: ``world_size`` not positive.
+        ValueError: ``world_size`` not a positive integer (a bool, a float); ``timeout`` not a
+            positive, finite number of seconds (0 timed every world out, blaming its ranks; -1 and
+            inf failed inside torch or time).
         Exception: the failing rank's own exception, with a :class:`RankFailure` carrying its rank
             and traceback attached as a note and as the exception's cause.
         RankFailure: a rank whose own exception cannot be rebuilt here, or whose process died
@@ -142,8 +146,8 @@ def run_world(
 
         assert run_world(4, rank_sizes) == [2, 2, 2, 2]
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be positive, got {world_size}")
+    world_size = positive_int(world_size, "world_size")
+    check_deadline(timeout)
     # Import torch once here, so every forked rank inherits it instead of importing it again
     # (seconds each).
     import torch.distributed  # noqa: F401
@@ -199,6 +203,18 @@ def run_world(
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
         watcher.dismiss()
+
+
+def check_deadline(timeout: object) -> None:
+    """``ValueError`` unless ``timeout`` is a positive, finite number of seconds (no bool).
+
+    0 timed every world out, blaming its ranks; -1 failed inside gloo, inf inside ``time``."""
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 < timeout < math.inf
+    ):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
 
 
 def _child_main(

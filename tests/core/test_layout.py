@@ -318,3 +318,16 @@ def test_a_size_of_any_integer_type_is_taken_as_its_int() -> None:
     assert layout.fingerprint() == ParallelLayout(num_ranks=8, tp=2, pp=2, rank_offset=8).fingerprint()
     with pytest.raises(ValueError, match=r"tp must be a positive integer, got 0"):
         ParallelLayout(num_ranks=8, tp=np.int64(0))  # type: ignore[arg-type]
+
+
+def test_a_size_given_as_a_float_tensor_is_named() -> None:
+    """``ParallelLayout(num_ranks=torch.tensor(8.0))`` raised torch's "only integer tensors of a single element can
+    be converted to an index", naming no size (found by the third hostile-input round); an integer tensor is its
+    value."""
+    import torch
+
+    with pytest.raises(ValueError, match=re.escape("num_ranks must be a positive integer, got tensor(8.)")):
+        ParallelLayout(num_ranks=torch.tensor(8.0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape("tp must be a positive integer, got tensor(2.5000)")):
+        ParallelLayout(num_ranks=8, tp=torch.tensor(2.5))  # type: ignore[arg-type]
+    assert ParallelLayout(num_ranks=torch.tensor(8), tp=torch.tensor(2)) == ParallelLayout(num_ranks=8, tp=2)  # type: ignore[arg-type]

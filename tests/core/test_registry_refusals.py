@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from core_support import bits, errors_of, member_mask
 
@@ -123,3 +124,32 @@ def test_a_rank_killed_in_a_build_is_named_on_every_other_rank(tmp_path: Path, m
             "after this: restart the job (every rank) once ranks [3] are healthy. The backend said: "
         ), f"rank {rank}: {message}"
     assert not (tmp_path / "rank-3.txt").exists()
+
+
+def _adopt_with_a_group_omitted() -> dict[str, Any]:
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    out: dict[str, Any] = errors_of({"omitted": lambda: reg.adopt([] if rank == 1 else [mine])})
+    # Nothing was recorded: adopted by every member now, the build reuses it and its all-reduce sums the pair.
+    reg.adopt([mine])
+    collection = reg.build(FOUR, name="adopted")
+    out["reused"] = collection.tp is mine
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=collection.tp)
+    out["tp sum"] = total.item()
+    reg.destroy()
+    return out
+
+
+def test_a_group_one_of_its_ranks_leaves_out_of_adopt_is_refused_on_every_rank() -> None:
+    """Rank 1 adopted nothing while rank 0 adopted their pair: the build then raised on rank 1 alone ("must be a
+    torch ProcessGroup; got int -100"), and rank 0 waited in its first all-reduce over the pair for the world's
+    timeout."""
+    results = run_world(4, _adopt_with_a_group_omitted, timeout=30.0)
+    for rank, out in enumerate(results):
+        assert out["omitted"].startswith(
+            "ValueError: adopt: rank 1 did not pass its communicator of ranks [0, 1], which rank(s) [0] passed"
+        ), (rank, out["omitted"])
+        assert out["reused"] is True
+        assert out["tp sum"] == [1.0, 1.0, 5.0, 5.0][rank]

@@ -3,6 +3,7 @@ orphan ranks."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pgregistry import testing
 from pgregistry.testing import RankFailure, WorldTimeout, run_world
 
 
@@ -215,5 +217,31 @@ def test_a_ranks_keyboard_interrupt_is_that_ranks_failure_not_the_callers() -> N
 
 
 def test_world_size_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="world_size must be positive, got 0"):
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
         run_world(0, _identify, 1, offset=0)
+
+
+@pytest.mark.parametrize(("world_size", "message"), [
+    (True, "world_size must be a positive integer, got True"),
+    (2.0, "world_size must be a positive integer, got 2.0"),
+    ("2", "world_size must be a positive integer, got '2'"),
+])
+def test_a_world_size_that_is_no_positive_integer_is_named_before_any_rank_starts(
+    world_size: object, message: str
+) -> None:
+    """Found by the third hostile-input round: ``run_world(True, ...)`` ran one rank, ``2.0`` and ``'2'`` failed in
+    Python's operators."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_world(world_size, _identify, 1, offset=0, timeout=10.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [-1, math.nan, math.inf, "5", True], ids=repr)
+def test_a_timeout_that_is_no_positive_finite_number_is_named_before_any_rank_starts(timeout: object) -> None:
+    """``timeout=0`` timed the world out, blaming a rank that "skipped or mismatched a collective"; -1 failed in gloo's
+    ``timeout.count() >= 0``, inf in ``timestamp out of range``, ``'5'`` in Python's operators. The check
+    (``check_deadline``) runs first in ``run_world``, as the world of 0 s shows."""
+    with pytest.raises(ValueError, match=re.escape(f"timeout must be a positive, finite number of seconds, got "
+                                                   f"{timeout!r}")):
+        testing.check_deadline(timeout)
+    with pytest.raises(ValueError, match=re.escape("timeout must be a positive, finite number of seconds, got 0")):
+        run_world(1, _identify, 1, offset=0, timeout=0)

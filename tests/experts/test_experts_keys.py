@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 import attrs
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -280,3 +281,26 @@ def test_a_key_that_is_no_str_or_a_state_dict_that_is_no_mapping_is_named() -> N
         with pytest.raises(TypeError, match=re.escape("state_dict must be a mapping of key -> value (a state dict), "
                                                       "got list")):
             rename([key], 2, 0, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strict", [None, 0, "no"], ids=repr)
+def test_a_strict_that_is_no_bool_is_refused_not_read_by_its_truth(strict: object) -> None:
+    """``strict=None`` (or 0) renamed a partial state dict as ``strict=False`` does: 16 experts given for a model of
+    8 named rank 1's experts 8-11 instead of 4-7, without a word; ``"no"`` was read as true."""
+    local = {f"layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight": i for i in range(4)}
+    for call in (lambda: globalize_expert_keys(local, 16, 1, 2, strict=strict),  # type: ignore[arg-type]
+                 lambda: localize_expert_keys(local, 16, 0, 2, strict=strict)):  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=re.escape(f"strict must be True or False, got {strict!r}")):
+            call()
+
+
+def test_numpy_integers_are_taken_as_their_values() -> None:
+    """Sizes and indices read from a NumPy array were refused: "local_index must be an integer, got np.int64(1)"."""
+    assert global_expert_index(np.int64(1), np.int64(8), np.int32(2), np.int64(4)) == 5
+    assert type(global_expert_index(np.int64(1), 8, 2, 4)) is int
+    assert expert_owner(np.int64(5), np.int64(8), np.int64(4)) == (2, 1)
+    local = {"local_experts.0.w": "a", "local_experts.1.w": "b"}
+    assert globalize_expert_keys(local, np.int64(8), np.int64(1), np.int64(4)) == {
+        "local_experts.2.w": "a", "local_experts.3.w": "b"}
+    assert localize_expert_keys({"local_experts.2.w": "a", "local_experts.3.w": "b"}, np.int64(8), np.int64(1),
+                                np.int64(4)) == local

@@ -245,3 +245,39 @@ def test_model_chunks_with_an_item_that_is_no_module_name_its_position_and_type(
     with pytest.raises(TypeError, match=message) as raised:
         named_global_parameters([stage, item], pg_collection=ep_collection(0, 1))  # type: ignore[list-item]
     assert "param[0]" not in str(raised.value) and "ToyMoE" not in str(raised.value)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(2)])
+
+
+def test_two_parameters_given_one_global_name_are_refused_naming_both() -> None:
+    """Two virtual chunks given the same layer offset (``layer_offsets=[0, 0]``) named both chunks' layers
+    ``layers.0...`` and ``layers.1...``: 8 parameters under 4 names, which an optimizer's state keyed by
+    ``global_param_name_fn`` held one parameter under for both."""
+    chunks = [_TwoLayers(), _TwoLayers()]
+    message = re.escape("parameters 'layers.0.weight' of model chunk 0 and 'layers.0.weight' of model chunk 1 both "
+                        "have the global name 'layers.0.weight': is each chunk's layer offset its first global layer")
+    for name_all in (named_global_parameters, global_param_name_fn):
+        with pytest.raises(ValueError, match=message):
+            name_all(chunks, pg_collection=ep_collection(0, 1), layer_offsets=[0, 0])  # type: ignore[operator]
+    names = [name for name, _ in named_global_parameters(chunks, pg_collection=ep_collection(0, 1),
+                                                         layer_offsets=[0, 2])]
+    assert names == [f"layers.{layer}.{kind}" for layer in range(4) for kind in ("weight", "bias")]
+
+
+def test_one_experts_name_refuses_a_num_experts_its_chunk_does_not_hold() -> None:
+    """EP rank 1 of 2 holds local experts 0-3 of 8; given ``num_experts=16``, ``get_global_unique_param_name`` named
+    its local expert 0 as global expert 8 (4 is right), where ``named_global_parameters`` refused the same call."""
+    stage = build_stage(1, 2, 0, 1)
+    expert_weight = stage.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
+    ep = ep_collection(1, 2)
+    with pytest.raises(ValueError, match=r"num_experts is 16, but model chunk 0 holds 4 local experts"):
+        named_global_parameters(stage, pg_collection=ep, num_experts=2 * NUM_EXPERTS)
+    with pytest.raises(ValueError, match=r"num_experts is 16, but model chunk 0 holds 4 local experts"):
+        get_global_unique_param_name(stage, expert_weight, pg_collection=ep, num_experts=2 * NUM_EXPERTS)
+    assert get_global_unique_param_name(stage, expert_weight, pg_collection=ep, num_experts=NUM_EXPERTS) == (
+        "layers.0.mlp.experts.local_experts.4.linear_fc1.weight"
+    )
