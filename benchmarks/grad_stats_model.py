@@ -50,7 +50,8 @@ planned grads taken as they are) before and after its timing, or the run stops: 
 anew, would time another path than a steady-state call takes.
 
 Usage: ``python benchmarks/grad_stats_model.py --device cuda`` (2 GiB over 2,000 and 20,000 parameters) or
-``--device cpu`` (20,000 parameters of 64 elements by default: the host cost); ``--dtype bfloat16``.
+``--device cpu`` (20,000 parameters of 64 elements by default: the host cost); ``--dtype bfloat16``; ``--marked``
+(every parameter carries the attributes Megatron's TP layers set, so the kept plan's roles check compares values).
 """
 
 from __future__ import annotations
@@ -101,11 +102,16 @@ EPSILON = 1e-6
 """Both clips' ``max_norm / (norm + 1e-6)``."""
 GOAL = 1.25
 """A pgregistry row's most time over the larger of its floors."""
+MEGATRON_TP_MARKS = {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}
+"""What ``--marked`` sets on every parameter, as Megatron's TP layers mark theirs: the kept plan then compares
+their roles' values each call, not only that the parameters still carry no attributes (with every axis off each is
+counted, as unmarked)."""
 
 
-def make_model(count: int, numel: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def make_model(count: int, numel: int, dtype: torch.dtype, device: torch.device, *, marked: bool = False) -> nn.Module:
     """``count`` parameters in ``count // 2`` modules holding about ``numel`` elements: a weight matrix of rows of
-    16 elements (its size rounded up to whole rows) and a bias vector each."""
+    16 elements (its size rounded up to whole rows) and a bias vector each. ``marked``: every parameter carries
+    the attributes Megatron's TP layers set on theirs (:data:`MEGATRON_TP_MARKS`)."""
     sizes = tensor_sizes(count, numel)
     model = nn.Module()
     layers = nn.ModuleList()
@@ -117,6 +123,9 @@ def make_model(count: int, numel: int, dtype: torch.dtype, device: torch.device)
         layers.append(layer)
     model.layers = layers
     params = list(model.parameters())
+    for param in params if marked else ():
+        for name, value in MEGATRON_TP_MARKS.items():
+            setattr(param, name, value)
     for param in params:
         param.grad = torch.empty_like(param)
     fill_([param.grad for param in params], seed=1)
@@ -213,7 +222,7 @@ class Row:
 
 def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     dtype = DTYPES[args.dtype]
-    model = make_model(count, args.bytes // torch.finfo(dtype).bits * 8, dtype, device)
+    model = make_model(count, args.bytes // torch.finfo(dtype).bits * 8, dtype, device, marked=args.marked)
     params = list(model.parameters())
     numel = sum(param.numel() for param in params)
     nbytes = numel * torch.finfo(dtype).bits // 8
@@ -416,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--pieces", action="store_true", help="also print where a call's host time goes, per piece "
                         "of the kept plan's check (ns a parameter)")
+    parser.add_argument("--marked", action="store_true", help="every parameter carries the attributes Megatron's TP "
+                        "layers set (tensor_model_parallel, partition_dim, partition_stride)")
     args = parser.parse_args(argv)
     device = selected_device(args.device)
     counts = [int(c) for c in (args.params or ("2000,20000" if device.type == "cuda" else "20000")).split(",")]
@@ -424,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("parameter counts must be at least 2, --repeat positive, --warmup not negative")
     kernel = "on" if can_run_fused_stats(device) else "off"
     print(f"grad statistics over a model: torch {torch.__version__}, device {describe_device(device)}, one-read "
-          f"kernel {kernel}, {args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
+          f"kernel {kernel}, {args.dtype} grads{', every parameter marked as by Megatron TP' if args.marked else ''}, "
+          f"median of {args.repeat} after {args.warmup} warm-up runs")
     runs, problems = [], []
     for count in counts:
         itemsize = torch.finfo(DTYPES[args.dtype]).bits // 8
@@ -433,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(count, run_args, device)
         print_table(result, device, args.dtype)
         if args.pieces:
-            model = make_model(count, size // itemsize, DTYPES[args.dtype], device)
+            model = make_model(count, size // itemsize, DTYPES[args.dtype], device, marked=args.marked)
             costs = host_pieces(model, args.warmup, args.repeat)
             floor = costs[FLOOR_PIECE]
             print("  host time of a steady-state call, piece by piece (ns a parameter, x the host floor):")
