@@ -43,17 +43,22 @@ It also prints the memory the kept classification takes (Python objects, by ``tr
 per parameter.
 
 With ``--pieces``, it also prints where a steady-state call's host time goes: each piece of the kept plan's check
-(the door, the parameter set, the roles, the grads' reads, their ids and addresses) timed alone, interleaved with
-the host floor, in nanoseconds a parameter.
+(the door, the parameter set, the roles, the grads' reads, their ids and addresses) timed alone, then the whole of
+that host path as a call runs it (door to the checked pieces, before any read of their values), interleaved with the
+host floor, in nanoseconds a parameter. Each piece must give a steady-state call's answer (the same plan, its
+planned grads taken as they are) before and after its timing, or the run stops: a piece that missed, or a plan made
+anew, would time another path than a steady-state call takes.
 
 Usage: ``python benchmarks/grad_stats_model.py --device cuda`` (2 GiB over 2,000 and 20,000 parameters) or
-``--device cpu`` (20,000 parameters of 64 elements by default: the host cost); ``--dtype bfloat16``.
+``--device cpu`` (20,000 parameters of 64 elements by default: the host cost); ``--dtype bfloat16``; ``--marked``
+(every parameter carries the attributes Megatron's TP layers set, so the kept plan's roles check compares values).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import operator
 import statistics
 import sys
 import time
@@ -97,11 +102,16 @@ EPSILON = 1e-6
 """Both clips' ``max_norm / (norm + 1e-6)``."""
 GOAL = 1.25
 """A pgregistry row's most time over the larger of its floors."""
+MEGATRON_TP_MARKS = {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}
+"""What ``--marked`` sets on every parameter, as Megatron's TP layers mark theirs: the kept plan then compares
+their roles' values each call, not only that the parameters still carry no attributes (with every axis off each is
+counted, as unmarked)."""
 
 
-def make_model(count: int, numel: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def make_model(count: int, numel: int, dtype: torch.dtype, device: torch.device, *, marked: bool = False) -> nn.Module:
     """``count`` parameters in ``count // 2`` modules holding about ``numel`` elements: a weight matrix of rows of
-    16 elements (its size rounded up to whole rows) and a bias vector each."""
+    16 elements (its size rounded up to whole rows) and a bias vector each. ``marked``: every parameter carries
+    the attributes Megatron's TP layers set on theirs (:data:`MEGATRON_TP_MARKS`)."""
     sizes = tensor_sizes(count, numel)
     model = nn.Module()
     layers = nn.ModuleList()
@@ -113,6 +123,9 @@ def make_model(count: int, numel: int, dtype: torch.dtype, device: torch.device)
         layers.append(layer)
     model.layers = layers
     params = list(model.parameters())
+    for param in params if marked else ():
+        for name, value in MEGATRON_TP_MARKS.items():
+            setattr(param, name, value)
     for param in params:
         param.grad = torch.empty_like(param)
     fill_([param.grad for param in params], seed=1)
@@ -209,7 +222,7 @@ class Row:
 
 def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     dtype = DTYPES[args.dtype]
-    model = make_model(count, args.bytes // torch.finfo(dtype).bits * 8, dtype, device)
+    model = make_model(count, args.bytes // torch.finfo(dtype).bits * 8, dtype, device, marked=args.marked)
     params = list(model.parameters())
     numel = sum(param.numel() for param in params)
     nbytes = numel * torch.finfo(dtype).bits // 8
@@ -296,12 +309,16 @@ def _returned(
 
 
 FLOOR_PIECE = "host floor (each .grad, C speed)"
+WHOLE_PIECE = "whole: door to the checked pieces"
+"""The host path of a steady-state call up to its reads, the pieces above it in a row as the call runs them."""
 
 
 def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
-    """Where a steady-state call's host time goes (``--pieces``): each piece of the kept plan's check timed alone,
-    interleaved with the host floor run by run, in nanoseconds a parameter (medians). The pieces are pgregistry's
-    own (private) steps, so this names what each costs beside the floor, not a floor."""
+    """Where a steady-state call's host time goes (``--pieces``): each piece of the kept plan's check timed alone, then
+    their whole as a call runs it (:data:`WHOLE_PIECE`), interleaved with the host floor run by run, in nanoseconds a
+    parameter (medians). The pieces are pgregistry's own (private) steps, so this names what each costs beside the
+    floor, not a floor. ``RuntimeError`` when a piece does not give a steady-state call's answer, before or after its
+    timing (a check that missed, or a plan made anew, would time another path than a steady-state call takes)."""
     params = list(model.parameters())
     grad_norm(model, OFF)
     grad_norm(model, OFF)  # the plan and its planned grads made
@@ -309,27 +326,56 @@ def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
     kept = plans._KEPT[model]
     layout = kept.plan._layout
     planned = layout.planned_for if layout is not None else None
-    if planned is None:
+    if layout is None or planned is None:
         raise RuntimeError("--pieces: the kept plan has no planned grads (every grad should be a plain tensor)")
     grads = plans._grads_of(params)
-    pieces: dict[str, Callable[[], object]] = {
-        "door (taken apart, resolved)": lambda: resolve_pg_collection(OFF, source_of(model).chunks, owner="bench"),
-        "kept: parameter set": lambda: kept.plan_params(source),
-        "kept: roles": kept._same_roles,
-        "grads read (pgregistry's)": lambda: plans._grads_of(params),
-        "planned grads: ids": lambda: list(map(id, grads)) == planned.ids,
-        "planned grads: addresses": lambda: planned._at_planned_addresses(grads),
+
+    def whole() -> bool:
+        given = source_of(model)
+        collection = resolve_pg_collection(OFF, given.chunks, owner="bench")
+        plan, ordered, _ = plans.check_or_make_plan(given, collection, "bench")
+        steady = plan._layout
+        return (
+            plan is kept.plan
+            and steady is layout
+            and planned.pieces_of(plans._grads_of(ordered), steady.take_plain) is not None
+        )
+
+    pieces: dict[str, tuple[Callable[[], Any], Callable[[Any], bool]]] = {  # each piece, and its steady answer
+        "door (taken apart, resolved)": (
+            lambda: resolve_pg_collection(OFF, source_of(model).chunks, owner="bench"),
+            lambda collection: collection == OFF,
+        ),
+        "kept: parameter set": (lambda: kept.plan_params(source), lambda params_read: params_read is kept.params),
+        "kept: roles": (kept._same_roles, lambda same: same is True),
+        "grads read (pgregistry's)": (
+            lambda: plans._grads_of(params),
+            lambda read: len(read) == len(grads) and all(map(operator.is_, read, grads)),
+        ),
+        # the expression _Planned.pieces_of compares, the planned grads alive (no death noted)
+        "planned grads: ids": (lambda: list(map(id, grads)) == planned.ids, lambda same: same and not planned.deaths),
+        "planned grads: addresses": (lambda: planned._at_planned_addresses(grads), lambda same: same is True),
+        WHOLE_PIECE: (whole, lambda same: same is True),
     }
+
+    def check_answers(when: str) -> None:
+        for label, (piece, steady) in pieces.items():
+            if not steady(piece()):
+                raise RuntimeError(f"--pieces: {label!r} did not give a steady-state call's answer {when}: it would "
+                                   "time another path than a steady-state call takes")
+
+    check_answers("before the timing")
     times: dict[str, list[float]] = {FLOOR_PIECE: [], **{label: [] for label in pieces}}
     for run_index in range(warmup + repeat):
         took = {FLOOR_PIECE: host_floor(params, 0, 1) / 1e3}
-        for label, piece in pieces.items():
+        for label, (piece, _) in pieces.items():
             start = time.perf_counter()
             piece()
             took[label] = time.perf_counter() - start
         if run_index >= warmup:
             for label, seconds in took.items():
                 times[label].append(seconds)
+    check_answers("after the timing")
     return {label: statistics.median(runs) / len(params) * 1e9 for label, runs in times.items()}
 
 
@@ -379,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--pieces", action="store_true", help="also print where a call's host time goes, per piece "
                         "of the kept plan's check (ns a parameter)")
+    parser.add_argument("--marked", action="store_true", help="every parameter carries the attributes Megatron's TP "
+                        "layers set (tensor_model_parallel, partition_dim, partition_stride)")
     args = parser.parse_args(argv)
     device = selected_device(args.device)
     counts = [int(c) for c in (args.params or ("2000,20000" if device.type == "cuda" else "20000")).split(",")]
@@ -387,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("parameter counts must be at least 2, --repeat positive, --warmup not negative")
     kernel = "on" if can_run_fused_stats(device) else "off"
     print(f"grad statistics over a model: torch {torch.__version__}, device {describe_device(device)}, one-read "
-          f"kernel {kernel}, {args.dtype} grads, median of {args.repeat} after {args.warmup} warm-up runs")
+          f"kernel {kernel}, {args.dtype} grads{', every parameter marked as by Megatron TP' if args.marked else ''}, "
+          f"median of {args.repeat} after {args.warmup} warm-up runs")
     runs, problems = [], []
     for count in counts:
         itemsize = torch.finfo(DTYPES[args.dtype]).bits // 8
@@ -396,12 +445,14 @@ def main(argv: list[str] | None = None) -> int:
         result = run(count, run_args, device)
         print_table(result, device, args.dtype)
         if args.pieces:
-            model = make_model(count, size // itemsize, DTYPES[args.dtype], device)
+            model = make_model(count, size // itemsize, DTYPES[args.dtype], device, marked=args.marked)
             costs = host_pieces(model, args.warmup, args.repeat)
             floor = costs[FLOOR_PIECE]
             print("  host time of a steady-state call, piece by piece (ns a parameter, x the host floor):")
             for label, cost in costs.items():
                 print(f"    {label:<34} {cost:8.1f} ns {cost / floor:6.2f}x")
+            parts = sum(cost for label, cost in costs.items() if label not in (FLOOR_PIECE, WHOLE_PIECE))
+            print(f"    {'the pieces above, summed':<34} {parts:8.1f} ns {parts / floor:6.2f}x")
             del model
         problems += result["problems"]
         runs.append(result)

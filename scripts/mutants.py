@@ -162,6 +162,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="kept-plan-misses-a-role-past-the-first-block",
+        bug="a kept classification compares the roles of its first block of marked parameters only: a role changed "
+        "on a later parameter of a model whose every parameter is marked goes unseen",
+        file="pgregistry/grad_stats/_plan.py",
+        find="            for block in self._roled_blocks\n",
+        replace="            for block in self._roled_blocks[:1]\n",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_role_changed_past_the_first_block_of_marked_parameters_is_seen",
+        ),
+    ),
+    Mutant(
         name="kept-plan-misses-new-storage",
         bug="a kept classification reads the old addresses after a grad was re-pointed at storage of another shape",
         file="pgregistry/grad_stats/_plan.py",

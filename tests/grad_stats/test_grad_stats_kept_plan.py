@@ -256,6 +256,26 @@ def test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before()
     _check(model, [model.a.weight.grad, model.a.bias.grad, model.b.weight.grad], "a role's value changed")
 
 
+def test_a_role_changed_past_the_first_block_of_marked_parameters_is_seen() -> None:
+    """The plan reads the roles block by block of parameters that carry one (``_ROLE_BLOCK`` of them): on a model
+    whose every parameter is marked, as Megatron's TP layers mark theirs, a role added to and then changed on the
+    last parameter, in the last block, is seen (``shared`` copies are never counted)."""
+    from pgregistry.grad_stats._plan import _ROLE_BLOCK
+
+    model = nn.Module()
+    model.params = nn.ParameterList(nn.Parameter(torch.zeros(3)) for _ in range(2 * _ROLE_BLOCK + 3))
+    for seed, param in enumerate(model.parameters(), start=300):
+        param.grad = _fill(param, seed)
+        param.tensor_model_parallel = True
+    grads = _grads(model)
+    _check(model, grads, "every parameter marked")
+    last = model.params[-1]
+    last.shared = True  # a role the last parameter did not carry
+    _check(model, grads[:-1], "the last parameter a shared copy")
+    last.shared = False  # that role's value changed
+    _check(model, grads, "the last parameter no longer a shared copy")
+
+
 def test_clipping_twice_clips_from_the_current_grads() -> None:
     model = _model()
     norm = _oracle(_grads(model))[0]
