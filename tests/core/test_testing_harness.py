@@ -34,6 +34,22 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
+_CHILDREN_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _note_children_before() -> None:
+    """Children this process had before the test (an earlier test may leave the stdlib's own, such as
+    multiprocessing's resource tracker, alive until the interpreter exits): not the harness's."""
+    _CHILDREN_BEFORE.clear()
+    _CHILDREN_BEFORE.update(_children_of(os.getpid()))
+
+
+def _new_children() -> list[int]:
+    """This process's children that the test started and left behind."""
+    return [pid for pid in _children_of(os.getpid()) if pid not in _CHILDREN_BEFORE]
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -53,7 +69,7 @@ def _identify(scale: int, *, offset: int) -> tuple[int, int, int, int]:
 def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
     results = run_world(4, _identify, 10, offset=3)
     assert results == [(r, 4, r * 10 + 3, 0b1111) for r in range(4)]
-    assert _children_of(os.getpid()) == []
+    assert _new_children() == []
 
 
 def test_a_closure_runs_and_a_world_of_one_works() -> None:
@@ -75,7 +91,7 @@ def test_an_exception_is_reraised_with_its_type_rank_and_traceback() -> None:
     assert "_fail_on_rank_two" in cause.detail and "KeyError: 'boom on two'" in cause.detail
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "raised on rank 2" in notes and "_fail_on_rank_two" in notes
-    assert _children_of(os.getpid()) == []
+    assert _new_children() == []
 
 
 class _Unpicklable(Exception):
@@ -112,7 +128,7 @@ def test_a_rank_that_skips_a_collective_times_out_and_leaves_no_orphans(tmp_path
     pids = [int(p.read_text()) for p in sorted(tmp_path.iterdir())]
     assert len(pids) == 4
     assert all(_gone(pid) for pid in pids)
-    assert _children_of(os.getpid()) == []
+    assert _new_children() == []
     # Where each stuck rank was: a stack dump of each, naming the collective it waits in, under the summary.
     assert info.value.stuck_ranks == [0, 2, 3]
     assert sorted(info.value.stacks) == [0, 2, 3]
@@ -175,7 +191,7 @@ def test_a_rank_that_dies_is_a_rank_failure_saying_how(how: str, said: str) -> N
     with pytest.raises(RankFailure, match=rf"rank 3 failed: process exited without a result \({said}\)") as info:
         run_world(4, _exit_abruptly, how)
     assert info.value.rank == 3
-    assert _children_of(os.getpid()) == []
+    assert _new_children() == []
 
 
 class _KeywordOnly(Exception):
@@ -197,7 +213,7 @@ def test_an_exception_the_parent_cannot_rebuild_reports_its_rank_and_traceback()
     assert info.value.rank == 1
     assert "_raise_keyword_only" in info.value.detail and "_KeywordOnly: code 3" in info.value.detail
     assert "could not be rebuilt in the parent" in info.value.detail
-    assert _children_of(os.getpid()) == []
+    assert _new_children() == []
 
 
 def _interrupt_rank_zero() -> int:
