@@ -168,8 +168,10 @@ def clip_grads_(
     non-finite norm and skips the step.
 
     Args:
-        grads: the grads to scale, each once (a tensor given twice is refused: it would be scaled
-            twice, by the square of the coefficient, as torch's ``clip_grads_with_norm_`` does).
+        grads: the grads to scale, every copy of them (duplicates the norm does not count too, so
+            replicas stay identical), each tensor once (one given twice is refused: it would be
+            scaled twice, by the square of the coefficient, as torch's ``clip_grads_with_norm_``
+            does).
         max_norm: the norm to clip to: positive and finite.
         total_norm: the global norm of the grads: 0 or more, NaN or inf (a number, or a
             one-element tensor; on its own device, else on the grads').
