@@ -1693,6 +1693,16 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_a_tensor_given_twice_is_refused_not_counted_or_scaled_twice",),
     ),
     Mutant(
+        name="grad-shared-by-two-parameters-counted-twice",
+        bug="grad_norm of two parameters whose .grad is one tensor (set by hand) counts it twice (20 for the 14.1 "
+        "of the distinct grads) and clip_grad_norm_ scales it twice",
+        file="pgregistry/grad_stats/_plan.py",
+        find="first_holder.setdefault(id(grad), index)) != index:",
+        replace="first_holder.setdefault(id(grad), index)) < 0:",
+        tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
+               "test_two_parameters_sharing_one_grad_tensor_are_refused_not_counted_twice",),
+    ),
+    Mutant(
         name="optimizer-of-meta-parameters",
         bug="an optimizer built over a model never materialised from torch.device('meta') has meta flat buffers: "
         "its norm is a meta tensor with no value and its step updates nothing, without a word",

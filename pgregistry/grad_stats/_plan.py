@@ -415,9 +415,15 @@ class Plan:
         plain: list[int] = []
         dtensor: list[int] = []
         partial: list[tuple[int, str, torch.Tensor]] = []
+        first_holder: dict[int, int] = {}
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
+            if (first := first_holder.setdefault(id(grad), index)) != index:
+                raise ValueError(
+                    f"parameters {self.names[first]!r} and {self.names[index]!r} share one .grad "
+                    "tensor, which would be counted and scaled twice: give each its own grad"
+                )
             if grad.layout != torch.strided:
                 raise TypeError(
                     f"the grad of {self.names[index]!r} is {grad.layout} (e.g. from "

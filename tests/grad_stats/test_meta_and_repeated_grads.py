@@ -115,6 +115,32 @@ def _repeated_refusals() -> dict[str, object]:
     return out
 
 
+def _shared_grad_refusals() -> dict[str, object]:
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    model = nn.Linear(4, 2, bias=False)
+    model.extra = nn.Parameter(torch.zeros(2, 4))
+    shared = torch.full((2, 4), 5.0)
+    model.weight.grad = shared
+    model.extra.grad = shared  # one tensor, set by hand as two parameters' grad
+    return {
+        "grad_norm": _outcome(lambda: grad_norm(model, collection)),
+        "clip_grad_norm_": _outcome(lambda: clip_grad_norm_(model, 1.0, collection)),
+        "shared after": shared.tolist(),
+    }
+
+
+def test_two_parameters_sharing_one_grad_tensor_are_refused_not_counted_twice() -> None:
+    """grad_norm answered sqrt(2) times the norm of the distinct grads; the clip scaled the tensor twice."""
+    results = run_world(2, _shared_grad_refusals, timeout=60)
+    assert results[0] == results[1]
+    for label in ("grad_norm", "clip_grad_norm_"):
+        assert results[0][label] == (
+            "ValueError: parameters 'weight' and 'extra' share one .grad tensor, which would be counted and "
+            "scaled twice: give each its own grad"
+        )
+    assert results[0]["shared after"] == [[5.0] * 4] * 2
+
+
 def test_a_tensor_given_twice_is_refused_not_counted_or_scaled_twice() -> None:
     results = run_world(2, _repeated_refusals, timeout=60)
     assert results[0] == results[1]
