@@ -12,8 +12,9 @@ __all__ = ["meta_tensor_error"]
 
 
 def meta_tensor_error(what: str, before: str = "the backward pass") -> ValueError:
-    """The error for ``what`` (e.g. ``"the grad of 'weight'"``), a tensor on the meta device, to be
-    materialised before ``before``."""
+    """The error for ``what``, a tensor on the meta device, to be materialised before ``before``.
+
+    ``what`` names the tensor as the message's subject (``"the grad of 'weight'"``)."""
     return ValueError(
         f"{what} is on the meta device: it has a shape but no values, so nothing can be computed "
         "from it (was the model built under torch.device('meta') and never materialised?); "
