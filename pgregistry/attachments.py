@@ -36,6 +36,9 @@ def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupColle
     Raises:
         TypeError: ``collection`` is not a :class:`~pgregistry.collection.ProcessGroupCollection`;
             ``model`` (or a chunk) is no module (a tensor: nothing would ever look it up).
+        ValueError: ``model`` is an empty list of chunks.
+
+    Attaching a module again replaces its collection (a layout rebuilt, or shrunk after a failure).
 
     Example::
 
@@ -47,6 +50,13 @@ def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupColle
     from torch.nn import Module  # not at import: pgregistry loads no torch
 
     chunks = _as_chunks(model)
+    if (
+        not chunks
+    ):  # nothing would be recorded, and every entry point would fall back without a word
+        raise ValueError(
+            f"attach was given an empty {type(model).__name__} of model chunks: nothing to attach "
+            "the collection to; pass the model, or its chunks"
+        )
     for index, chunk in enumerate(chunks):
         # A tensor is never looked up (entry points given tensors take pg_collection), so a
         # collection attached to one would be ignored without a word.

@@ -75,7 +75,18 @@ def warn_fallback(owner: str, argument: str) -> None:
 
     Raises:
         ProcessGroupFallbackWarning: under ``-W error::pgregistry.ProcessGroupFallbackWarning``.
+        TypeError: ``owner`` or ``argument`` is no string (a list failed as unhashable only under
+            default filters; ``None`` was printed as the owner).
     """
+    for name, value, meaning in (
+        ("owner", owner, "the entry point's name"),
+        ("argument", argument, "a group name, or 'pg_collection'"),
+    ):
+        if not isinstance(value, str) or not value:
+            raise TypeError(
+                f"warn_fallback's {name} must be a non-empty str ({meaning}), got {value!r} "
+                f"({type(value).__name__})"
+            )
     if argument == "pg_collection":
         message = (
             f"{owner} was not given a ProcessGroupCollection (nor a model with "

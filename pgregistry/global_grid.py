@@ -78,8 +78,12 @@ def global_collection(default: object = _RAISE) -> object:
     """
     if _grid is None or _grid.is_destroyed:
         if default is _RAISE:
+            state = (
+                "not initialised" if _grid is None else "destroyed (pgregistry.registry.destroy)"
+            )
             raise RuntimeError(
-                "the global grid is not initialised (pgregistry.global_grid.initialize_global_grid)"
+                f"the global grid is {state}: initialise it with "
+                "pgregistry.global_grid.initialize_global_grid(layout)"
             )
         return default
     return _grid

@@ -1661,6 +1661,57 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_experts_names.py::"
                "test_one_experts_name_refuses_a_num_experts_its_chunk_does_not_hold",),
     ),
+    Mutant(
+        name="meta-grads-read-as-values",
+        bug="grad_norm of a model built under torch.device('meta') and never materialised answers a meta tensor "
+        "with no value, and clip_grad_norm_ clips nothing, without a word",
+        file="pgregistry/grad_stats/_plan.py",
+        find="            if grad.is_meta:  # checked once per layout, so a steady-state call pays nothing\n"
+        "                raise meta_tensor_error(f\"the grad of {self.names[index]!r}\")\n",
+        replace="",
+        tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
+               "test_meta_grads_are_refused_on_every_rank_naming_the_parameter_and_the_fix",),
+    ),
+    Mutant(
+        name="meta-grads-in-lists-read-as-values",
+        bug="norm_of_grads, zeros_of_grads and clip_grads_ of meta grads answer a meta tensor with no value and "
+        "scale nothing, without a word",
+        file="pgregistry/grad_stats/_lists.py",
+        find=" and not any(map(_IS_META, grads))",
+        replace="",
+        tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
+               "test_meta_grads_are_refused_on_every_rank_naming_the_parameter_and_the_fix",),
+    ),
+    Mutant(
+        name="tensor-given-twice-scaled-twice",
+        bug="clip_grads_ given one tensor twice scales it by the square of the coefficient (0.01 for 0.1 at a norm "
+        "of 10), and norm_of_grads counts it twice",
+        file="pgregistry/grad_stats/_lists.py",
+        find="len(set(map(id, grads))) == len(grads) and ",
+        replace="",
+        tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
+               "test_a_tensor_given_twice_is_refused_not_counted_or_scaled_twice",),
+    ),
+    Mutant(
+        name="grad-shared-by-two-parameters-counted-twice",
+        bug="grad_norm of two parameters whose .grad is one tensor (set by hand) counts it twice (20 for the 14.1 "
+        "of the distinct grads) and clip_grad_norm_ scales it twice",
+        file="pgregistry/grad_stats/_plan.py",
+        find="first_holder.setdefault(id(grad), index)) != index:",
+        replace="first_holder.setdefault(id(grad), index)) < 0:",
+        tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
+               "test_two_parameters_sharing_one_grad_tensor_are_refused_not_counted_twice",),
+    ),
+    Mutant(
+        name="optimizer-of-meta-parameters",
+        bug="an optimizer built over a model never materialised from torch.device('meta') has meta flat buffers: "
+        "its norm is a meta tensor with no value and its step updates nothing, without a word",
+        file="pgregistry/optim/_base.py",
+        find="        if devices == {torch.device(\"meta\")}:",
+        replace="        if False:",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_parameters_on_the_meta_device_are_refused_on_every_rank_not_stepped_as_nothing",),
+    ),
 )
 
 

@@ -12,8 +12,14 @@ is exact (a device sync on CUDA; see :func:`~pgregistry.grad_stats._reductions.r
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterable
+from itertools import chain
+from operator import attrgetter
 
+import torch
+import torch.distributed as dist
+
+from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry.grad_stats._arguments import total_norm_as_tensor
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._local import add_parts, by_kind, scale_kind
@@ -28,6 +34,56 @@ from pgregistry.grad_stats._reductions import (
 )
 
 __all__ = ["clip_grads_", "norm_of_grads", "scale_grads_", "zeros_of_grads"]
+
+
+_IS_META = attrgetter("is_meta")
+
+
+def _check_grads(grads: list[torch.Tensor], named: Iterable[tuple[str, object]], use: str) -> None:
+    """Refuse ``grads`` holding a tensor twice, a tensor on the meta device or no tensor.
+
+    A tensor given twice would be counted twice in a norm, or scaled twice by a clip (torch's
+    ``get_total_norm`` and ``clip_grads_with_norm_`` do both, silently); a meta tensor has no
+    values (the result would be a meta tensor with none). The look is two passes at C speed over
+    the tensors' ids and ``is_meta``; only a fault walks ``named`` (each entry's label and value,
+    in ``grads``' order) to name the first culprit, with what the call does with it (``use``)."""
+    try:
+        clean = len(set(map(id, grads))) == len(grads) and not any(map(_IS_META, grads))
+    except AttributeError:  # an entry that is no tensor: the walk below names it
+        clean = False
+    if clean:
+        return
+    first_label: dict[int, str] = {}
+    for label, grad in named:
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(
+                f"{label} is {grad!r} ({type(grad).__name__}), not a tensor: pass the grads that "
+                "are set (skip a parameter whose .grad is None)"
+            )
+        if grad.is_meta:
+            raise meta_tensor_error(label)
+        if id(grad) in first_label:
+            raise ValueError(
+                f"{first_label[id(grad)]} and {label} are the same tensor (of shape "
+                f"{tuple(grad.shape)}), which would be {use} twice: give each grad once"
+            )
+        first_label[id(grad)] = label
+
+
+def _check_grads_by_group(grads_by_group: GradsByGroup) -> None:
+    """:func:`_check_grads` over every group's list: a tensor under two groups is counted twice."""
+    labelled = (
+        (f"grads_by_group[{_group_label(group)}][{index}]", grad)
+        for group, grads in grads_by_group.items()
+        for index, grad in enumerate(grads)
+    )
+    _check_grads(list(chain.from_iterable(grads_by_group.values())), labelled, "counted")
+
+
+def _group_label(group: dist.ProcessGroup | None) -> str:
+    if group is None:
+        return "None"
+    return f"<group of ranks {dist.get_process_group_ranks(group)}>"
 
 
 def _shares_of_groups(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
@@ -58,11 +114,19 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
         A 0-dim tensor on the grads' device (float64 when a grad is float64, else float32); 0 for an
         empty mapping or empty lists.
 
+    Raises:
+        ValueError: a tensor given twice (in one group's list or under two groups: it would be
+            counted twice, as torch's ``get_total_norm`` counts it), or on the meta device, naming
+            the first; on this rank, before any collective.
+        TypeError: an entry that is no tensor.
+
     Example::
 
         grads = classify_grads(model.parameters(), groups)
         norm = norm_of_grads(grads)
     """
+
+    _check_grads_by_group(grads_by_group)
 
     def read_shares(wanted: Wanted) -> Shares:
         return _shares_of_groups(grads_by_group, wanted)
@@ -78,7 +142,11 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
 
     Returns:
         A 0-dim int64 tensor.
+
+    Raises:
+        ValueError, TypeError: as :func:`norm_of_grads`.
     """
+    _check_grads_by_group(grads_by_group)
     zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.zeros_only())).zeros
     assert zeros is not None
     return zeros
@@ -100,7 +168,10 @@ def clip_grads_(
     non-finite norm and skips the step.
 
     Args:
-        grads: the grads to scale, every copy of them (duplicates too, so replicas stay identical).
+        grads: the grads to scale, every copy of them (duplicates the norm does not count too, so
+            replicas stay identical), each tensor once (one given twice is refused: it would be
+            scaled twice, by the square of the coefficient, as torch's ``clip_grads_with_norm_``
+            does).
         max_norm: the norm to clip to: positive and finite.
         total_norm: the global norm of the grads: 0 or more, NaN or inf (a number, or a
             one-element tensor; on its own device, else on the grads').
@@ -113,8 +184,9 @@ def clip_grads_(
     Raises:
         TypeError: a grad that is no tensor (``None``); ``max_norm`` not a real number;
             ``total_norm`` neither a real number nor a one-element real tensor.
-        ValueError: ``max_norm`` not positive and finite; ``total_norm`` negative (read on the
-            host only; a negative norm on a device leaves the grads unscaled, as NaN does).
+        ValueError: a tensor given twice, or on the meta device (naming the first);
+            ``max_norm`` not positive and finite; ``total_norm`` negative (read on the host only; a
+            negative norm on a device leaves the grads unscaled, as NaN does).
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite ``total_norm``.
 
     Example::
@@ -123,12 +195,7 @@ def clip_grads_(
         clip_grads_([p.grad for p in model.parameters()], 1.0, norm)
     """
     check_max_norm(max_norm)
-    for index, grad in enumerate(grads):
-        if not isinstance(grad, torch.Tensor):
-            raise TypeError(
-                f"grads[{index}] is {grad!r} ({type(grad).__name__}), not a tensor: pass the grads "
-                "that are set (skip a parameter whose .grad is None)"
-            )
+    _check_grads(list(grads), ((f"grads[{i}]", grad) for i, grad in enumerate(grads)), "scaled")
     norm = total_norm_as_tensor(total_norm, grads[0].device if grads else None)
     check_finite(norm, error_if_nonfinite)
     coeff = clip_coefficient(max_norm, norm)

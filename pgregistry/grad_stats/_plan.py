@@ -63,6 +63,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.agreement import any_rank_has
+from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry._runtime.resolve import (
     Params,
     Source,
@@ -414,14 +415,22 @@ class Plan:
         plain: list[int] = []
         dtensor: list[int] = []
         partial: list[tuple[int, str, torch.Tensor]] = []
+        first_holder: dict[int, int] = {}
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
+            if (first := first_holder.setdefault(id(grad), index)) != index:
+                raise ValueError(
+                    f"parameters {self.names[first]!r} and {self.names[index]!r} share one .grad "
+                    "tensor, which would be counted and scaled twice: give each its own grad"
+                )
             if grad.layout != torch.strided:
                 raise TypeError(
                     f"the grad of {self.names[index]!r} is {grad.layout} (e.g. from "
                     "nn.Embedding(sparse=True)); grad statistics need dense (torch.strided) grads"
                 )
+            if grad.is_meta:  # checked once per layout, so a steady-state call pays nothing
+                raise meta_tensor_error(f"the grad of {self.names[index]!r}")
             if not isinstance(grad, DTensor):
                 plain.append(index)
             elif is_partial(grad):

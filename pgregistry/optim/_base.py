@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
+from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
 from pgregistry.grad_stats._functional import verdict_groups
@@ -222,6 +223,10 @@ class FlatOptimizer(OptimizerStatistics):
                 f"the parameters lie on {len(devices)} devices ({sorted(map(str, devices))}), "
                 "and an optimizer's flat buffers on one: move the model to one device first, or "
                 "give each device's parameters their own optimizer"
+            )
+        if devices == {torch.device("meta")}:  # flat buffers of no values: a step would do nothing
+            raise meta_tensor_error(
+                f"parameter {self.param_name(self.params[0])!r}", "building the optimizer"
             )
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(

@@ -231,6 +231,20 @@ def test_set_fields_are_returned_as_they_are_without_warning() -> None:
     assert caught == []
 
 
+@pytest.mark.parametrize(
+    ("owner", "argument", "named"),
+    [(None, "tp", "owner"), ([], "tp", "owner"), ("Owner", ["tp"], "argument"), ("Owner", "", "argument")],
+)
+def test_warn_fallback_names_an_owner_or_argument_that_is_no_str(owner: Any, argument: Any, named: str) -> None:
+    """A list failed as 'unhashable type' under default filters only; None or '' warned naming nothing."""
+    forget_fallback_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        with pytest.raises(TypeError, match=f"warn_fallback's {named} must be a non-empty str"):
+            warn_fallback(owner, argument)
+    assert caught == []
+
+
 def test_unknown_name_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"Unknown attribute: 'dp_pc'; did you mean 'dp_cp'\?"):
         resolve_pg_collection(ProcessGroupCollection(tp=None), owner="Owner", fallback=["dp_pc"])  # type: ignore[list-item]

@@ -37,6 +37,16 @@ def test_attach_refuses_a_tensor_or_a_chunk_that_is_no_module() -> None:
     assert collection_of(model) is ALL_OFF
 
 
+def test_attach_refuses_an_empty_list_of_chunks_which_would_attach_nothing() -> None:
+    """attach([], collection) returned having recorded nothing: every entry point given the chunks then fell back."""
+    with pytest.raises(ValueError, match="attach was given an empty list of model chunks: nothing to attach"):
+        attach([], ALL_OFF)
+    with pytest.raises(ValueError, match="an empty tuple of model chunks"):
+        attach((), ALL_OFF)
+    attach(nn.Sequential(), ALL_OFF)  # a module without parameters is a module: attached
+    assert collection_of(nn.Sequential(), None) is None
+
+
 def test_a_field_name_that_is_no_str_or_dims_given_as_a_str_are_named() -> None:
     with pytest.raises(TypeError, match=r"a field name must be a str \(one of tp, .*\), got None \(NoneType\)"):
         pg_group(ALL_OFF, None)  # type: ignore[arg-type]

@@ -289,6 +289,7 @@ def _attachments_and_global_grid() -> dict[str, Any]:
     created = reg.communicators_created()
     reg.destroy()
     out["after_destroy"] = [global_collection(None) is None, pgregistry.collection_of(model_a).is_destroyed]
+    out["errors"].update(errors_of({"destroyed_grid": global_collection}))
     rebuilt = reg.build(ParallelLayout(num_ranks=4, tp=2), name="first")
     out["rebuilt"] = [rebuilt is not first, reg.communicators_created() - created]
     out["rebuilt_tp"] = _membership(rebuilt)["tp"]
@@ -304,6 +305,11 @@ def test_attachments_global_grid_and_destroy() -> None:
         assert out["errors"]["not_a_collection"] == "TypeError: attach expects a ProcessGroupCollection, got dict"
         assert out["errors"]["no_grid"].startswith("RuntimeError: the global grid is not initialised")
         assert out["errors"]["twice"].startswith("RuntimeError: the global grid is already initialised")
+        # Destroyed, it is named as destroyed (it said "not initialised", of a grid the job had initialised).
+        assert out["errors"]["destroyed_grid"] == (
+            "RuntimeError: the global grid is destroyed (pgregistry.registry.destroy): initialise it with "
+            "pgregistry.global_grid.initialize_global_grid(layout)"
+        )
         assert out["grid"] == [True, True]
         pp = [rank % 2, rank % 2 + 2]
         assert out["grid_pp"] == (bits(pp), 2, pp.index(rank))

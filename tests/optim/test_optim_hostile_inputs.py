@@ -358,3 +358,22 @@ def test_an_option_the_rule_does_not_read_is_refused_not_ignored() -> None:
         inner_factory("sgd", lr=0.1, betas=(0.5, 0.5), eps=1e-3)
     built = build_optimizer(model, ALL_OFF, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
     assert built.param_groups[0]["lr"] == 0.5
+
+
+def _meta_model_refusal() -> str:
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    with torch.device("meta"):
+        model = nn.Linear(3, 2)
+    try:
+        build_optimizer(model, collection)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_parameters_on_the_meta_device_are_refused_on_every_rank_not_stepped_as_nothing() -> None:
+    """A model built under torch.device("meta") and never materialised: its flat buffers were meta too, its
+    backward's grads meta, and the optimizer's norm a meta tensor with no value and its step nothing, silently."""
+    for message in run_world(2, _meta_model_refusal, timeout=60):
+        assert message.startswith("parameter 'weight' is on the meta device"), message
+        assert "to_empty" in message and "before building the optimizer" in message
