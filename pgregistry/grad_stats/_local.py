@@ -257,42 +257,33 @@ def _host_part(
 
     The tensors of a block are concatenated into one (one dispatch, a block's memory); a tensor
     alone in its block is read in place. The 2-norm of float64 grads by range
-    (:func:`~pgregistry.grad_stats._reductions.squares_by_range`)."""
+    (:func:`~pgregistry.grad_stats._reductions.squares_by_range`); the 1- and 2-norm of narrower
+    grads summed in float32 first, read again in float64 where that sum does not hold
+    (:func:`float32_share_holds`)."""
     ranged = wanted.ranged and makes_norm_float64(plan.dtype)
     accumulate_in = accumulates_in(plan.dtype, wanted.p)
+    float32_first = sums_float32_first(plan.dtype, wanted.p)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
     numel = 0
-    for take in plan.blocks:
-        if isinstance(take, int):  # alone: read in place
-            block = tensors[take]
-        else:  # tensors of one trailing shape, concatenated along dim 0 (0-dim ones stacked)
-            pieces = take(tensors)
-            block = (torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)).to(
-                accumulate_in
-            )
+    for block in _blocks_of(tensors, plan):
         numel += block.numel()
         if not block.numel():
             continue
         if ranged:
             norms.append(squares_by_range([block], HOST_BLOCK))
         elif wanted.p is not None:
-            if block.numel() > HOST_BLOCK:  # a long reduction in float32 loses precision: by rows
-                rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
-            else:  # one reduction (a reduction over rows costs a dispatch more than a block's read)
-                cast = None if block.dtype == accumulate_in else accumulate_in
-                rows = (
-                    torch.linalg.vector_norm(block, wanted.p, dtype=cast)
-                    .to(torch.float64)
-                    .reshape(1)
-                )
-            norms.append(rows.amax() if math.isinf(wanted.p) else rows.pow(wanted.p).sum())
+            norms.append(
+                host_share(block, wanted.p, torch.float32 if float32_first else accumulate_in)
+            )
         if wanted.zeros:
             nonzeros.append(_host_nonzero(block))
     share = zeros = None
     if wanted.p is not None and norms:
-        stacked = torch.stack(norms)
-        share = stacked.amax() if math.isinf(wanted.p) else stacked.sum(0)
+        share = _combined(norms, wanted.p)
+        if float32_first and not float32_share_holds(share, numel):
+            blocks = (block for block in _blocks_of(tensors, plan) if block.numel())
+            share = _combined([host_share(b, wanted.p, accumulate_in) for b in blocks], wanted.p)
     if wanted.zeros:
         counted = (
             torch.stack(nonzeros).sum().to(torch.float64)
@@ -301,6 +292,25 @@ def _host_part(
         )
         zeros = numel - counted
     return make_part(share, zeros, device)
+
+
+def _blocks_of(tensors: Sequence[torch.Tensor], plan: KindPlan) -> Iterator[torch.Tensor]:
+    """The host blocks of ``plan`` over ``tensors``, each made as it is read (:class:`KindPlan`).
+
+    A tensor alone in its block as it is; the others of one trailing shape concatenated along dim 0
+    (0-dim ones stacked), in the grads' dtype."""
+    for take in plan.blocks:
+        if isinstance(take, int):
+            yield tensors[take]
+        else:
+            pieces = take(tensors)
+            yield torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)
+
+
+def _combined(shares: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    """Shares of ``sum |x|^p`` (or ``max |x|``, or squares by range) combined into one."""
+    stacked = torch.stack(list(shares))
+    return stacked.amax() if math.isinf(p) else stacked.sum(0)
 
 
 def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
@@ -312,22 +322,63 @@ def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
     ).sum()
 
 
+def sums_float32_first(dtype: torch.dtype, p: float | None) -> bool:
+    """Whether the host sums ``dtype`` grads' ``sum |g|^p`` in float32 before float64.
+
+    Where :func:`~pgregistry.grad_stats._reductions.accumulates_in` makes grads narrower than
+    float64 accumulate in float64 (the 1- and 2-norm of float32, bf16, fp16 grads, complex64's
+    moduli): torch's host reductions that cast each element to float64 run at a quarter of the
+    float32 ones' speed (``docs/performance.md``), so the host sums in float32 first, over rows, and
+    keeps that sum where :func:`float32_share_holds`; else it reads the grads again in float64."""
+    return accumulates_in(dtype, p) == torch.float64 and not makes_norm_float64(dtype)
+
+
+FLOAT32_SHARE_FLOOR: Final = 2.0**-96
+"""Per element, the least ``sum |g|^p`` a float32 sum is kept at (:func:`float32_share_holds`)."""
+
+
+def float32_share_holds(share: torch.Tensor, numel: int) -> bool:
+    """Whether a float32 first sum of ``numel`` grads' ``|g|^p`` (0-dim float64, host) is exact.
+
+    Exact to float32's rounding, as the float64 sum rounded to the grads' float32 norm: where it is
+    finite, no square or row sum left float32's range (a sum of non-negative numbers that overflows
+    stays infinite); where it is at least ``numel * 2**-96``, the squares below float32's normal
+    range (2**-126, each off by less than that, flushed or not) change it by less than 2**-30
+    relative. Otherwise (grads beyond 1.8e19 or of 1e-25, NaN or inf, all zero) the float64 read
+    decides, which also gives NaN and inf their verdict. A host read of a host tensor: no device
+    sync, and the collectives that follow are the same either way."""
+    value = float(share)
+    return math.isfinite(value) and value >= numel * FLOAT32_SHARE_FLOOR
+
+
+def host_share(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
+    """``sum |x|^p`` (``max |x|`` for the inf-norm) of one host tensor, 0-dim float64.
+
+    Over the rows of :func:`row_norms` in ``accumulate_in``, :data:`HOST_BLOCK` elements at a time
+    (a bf16 tensor's rows cast to float32 inside the reduction run 8x slower over 8M elements at
+    once than block by block), the rows' norms combined in float64."""
+    infinite = math.isinf(p)
+    blocks = tensor.reshape(-1).split(HOST_BLOCK) if tensor.is_contiguous() else (tensor,)
+    shares = []
+    for block in blocks:
+        rows = row_norms(block, p, accumulate_in).to(torch.float64)
+        shares.append(rows.amax() if infinite else rows.pow(p).sum())
+    return shares[0] if len(shares) == 1 else _combined(shares, p)
+
+
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
     """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements.
 
     Rows of ``tensor``, the last one shorter; a non-contiguous tensor's norm as one row. Where
-    ``accumulate_in`` is not the tensor's dtype (float32 and bf16 grads' 1- and 2-norm in float64),
-    rows of :data:`HOST_FLAT` elements: torch reduces a cast copy, so each is copied alone (256 KiB
-    of float64, reused from the cache), where a whole tensor cast at once costs its size in float64
-    and page faults on every call (the 2-norm of 8M float32 elements on one thread: 30 ms cast
-    whole, 6 ms so; 1.9 ms accumulated in float32)."""
+    ``accumulate_in`` is float64 and the tensor narrower (the float64 read of
+    :func:`sums_float32_first`), pieces of :data:`HOST_FLAT` elements, one reduction each: torch's
+    reduction that casts each element to float64 is slower over longer tensors (the 2-norm of 8M
+    float32 elements on one thread: 30 ms at once, 6 ms so; 1.2 ms in float32 rows)."""
     cast = None if tensor.dtype == accumulate_in else accumulate_in
     if not tensor.is_contiguous():
         return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)
     flat = tensor.reshape(-1)
-    if (
-        cast is not None
-    ):  # torch casts a copy first: one of HOST_FLAT elements at a time, cache-sized
+    if cast == torch.float64:
         return torch.stack(
             [torch.linalg.vector_norm(piece, p, dtype=cast) for piece in flat.split(HOST_FLAT)]
         )
