@@ -9,13 +9,15 @@ Each (device, dtype) *kind* of a list is read by one route:
   for the whole kind, both statistics in one read (the non-contiguous few go to torch's route);
 * the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds
   each, which dominates for small grads), so small grads are concatenated (one dispatch; by trailing
-  shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements in the
-  accumulation dtype (float64 for the 1- and 2-norm and for float64 grads, else float32:
-  :func:`~pgregistry.grad_stats._reductions.accumulates_in`), each reduced for both statistics while
-  it is in the cache; a grad of more than :data:`HOST_SMALL` elements is read in place, over rows of
-  :data:`HOST_ROW` elements combined in float64 when it is longer than :data:`HOST_BLOCK` (one
-  float32 reduction that long loses precision). The extra memory is one block, whatever the grads'
-  size;
+  shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements, each
+  reduced for both statistics while it is in the cache; a grad of more than :data:`HOST_SMALL`
+  elements is read in place. Norms are taken over rows of :data:`HOST_ROW` elements,
+  :data:`HOST_BLOCK` at a time, combined in float64 (:func:`host_share`; one float32 reduction over
+  a long block loses precision), in the accumulation dtype
+  (:func:`~pgregistry.grad_stats._reductions.accumulates_in`), except that the 1- and 2-norm of
+  grads narrower than float64 are summed in float32 first and read again in float64 only where that
+  sum over- or underflowed (:func:`sums_float32_first`, :func:`float32_share_holds`). The extra
+  memory is one block, whatever the grads' size;
 * otherwise (CUDA float64, norms other than 2 without the kernel): ``torch._foreach_norm``.
 
 Complex grads are read through their moduli (``|z|``, a real copy of each): their norm is ``(sum
@@ -24,10 +26,12 @@ are scaled in place by the real coefficient.
 
 How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their
 values: :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls
-for as long as that layout stays the same. Shares accumulate in float64
-(:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element (torch's norms
-take ``dtype=torch.float64``, the kernel squares in float64), a float64 grad's 2-norm by range
-(:func:`~pgregistry.grad_stats._reductions.squares_by_range`), so neither needs a host read.
+for as long as that layout stays the same (only the host's float64 second read of a float32 first
+sum depends on values: local arithmetic, the collectives after it the same). Shares accumulate in
+float64 (:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element
+(torch's norms take ``dtype=torch.float64``, the kernel squares in float64; on the host a float32
+first sum where it is exact), a float64 grad's 2-norm by range
+(:func:`~pgregistry.grad_stats._reductions.squares_by_range`), so neither needs a device sync.
 """
 
 from __future__ import annotations
