@@ -12,8 +12,8 @@ Each (device, dtype) *kind* of a list is read by one route:
   shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements, each
   reduced for both statistics while it is in the cache; a grad of more than :data:`HOST_SMALL`
   elements is read in place. Norms are taken over rows of :data:`HOST_ROW` elements,
-  :data:`HOST_BLOCK` at a time, combined in float64 (:func:`host_share`; one float32 reduction over
-  a long block loses precision), in the accumulation dtype
+  :data:`HOST_NORM_BLOCK` at a time, combined in float64 (:func:`host_share`; one float32 reduction
+  over a long block loses precision), in the accumulation dtype
   (:func:`~pgregistry.grad_stats._reductions.accumulates_in`), except that the 1- and 2-norm of
   grads narrower than float64 are summed in float32 first and read again in float64 only where that
   sum over- or underflowed (:func:`sums_float32_first`, :func:`float32_share_holds`). The extra
@@ -62,6 +62,7 @@ from pgregistry.grad_stats._reductions import (
 __all__ = [
     "HOST_BLOCK",
     "HOST_FLAT",
+    "HOST_NORM_BLOCK",
     "HOST_ROW",
     "HOST_SMALL",
     "KindPlan",
@@ -76,8 +77,9 @@ __all__ = [
 ]
 
 HOST_BLOCK: Final = 1 << 18
-"""The most elements the host reduces in one float32 reduction (1 MiB of float32), and the bound on
-the statistics' temporary memory there."""
+"""The most elements the host reads at once where it makes temporaries of what it reads (a float64
+grad's squares by range, the exact norm's second read, the flat buffer's zero-count mask): the
+bound on the statistics' temporary memory there (1 MiB of float32)."""
 
 HOST_FLAT: Final = 1 << 15
 """Elements of one block of small grads flattened together on the host, and of one zero count there:
@@ -91,11 +93,17 @@ HOST_SMALL: Final = 1 << 14
 Smaller ones are flattened together.
 """
 
-HOST_ROW: Final = 1 << 12
-"""On the host, norms are taken over rows of this many elements in the grads' precision and the rows
-combined in float64: a float32 reduction over a long block is one sequential sum per thread, which
-loses precision (a relative error of 1.7e-4 measured over 8M elements); many short rows are as fast
-as one flat reduction."""
+HOST_ROW: Final = 1 << 9
+"""On the host, norms are taken over rows of this many elements in float32 (or the grads' dtype)
+and the rows combined in float64: torch's float32 norm over a long row drifts (a relative error of
+1.7e-4 measured over 8M elements in one reduction; over 8M bf16-valued elements, the 2-norm's rows
+of 4,096 came out 4.9e-7 low on average, 8 float32 units, rows of 512 4.3e-8 low); many short rows
+are as fast as one flat reduction (1.5 ms for 8M float32 elements on one thread)."""
+
+HOST_NORM_BLOCK: Final = 1 << 20
+"""Elements whose rows' norms :func:`host_share` holds at once before combining them in float64:
+:data:`HOST_NORM_BLOCK` / :data:`HOST_ROW` float32 (8 KiB); shorter blocks cost a few dispatches
+each (2^18: 1.8 ms for 8M float32 elements, 1.5 ms so)."""
 
 
 def by_kind(
@@ -358,16 +366,19 @@ def float32_share_holds(share: torch.Tensor, numel: int) -> bool:
 def host_share(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
     """``sum |x|^p`` (``max |x|`` for the inf-norm) of one host tensor, 0-dim float64.
 
-    Over the rows of :func:`row_norms` in ``accumulate_in``, :data:`HOST_BLOCK` elements at a time
-    (a bf16 tensor's rows cast to float32 inside the reduction run 8x slower over 8M elements at
-    once than block by block), the rows' norms combined in float64."""
-    infinite = math.isinf(p)
-    blocks = tensor.reshape(-1).split(HOST_BLOCK) if tensor.is_contiguous() else (tensor,)
-    shares = []
-    for block in blocks:
-        rows = row_norms(block, p, accumulate_in).to(torch.float64)
-        shares.append(rows.amax() if infinite else rows.pow(p).sum())
-    return shares[0] if len(shares) == 1 else _combined(shares, p)
+    The norms of its rows (:func:`row_norms`, in ``accumulate_in``) combined in float64,
+    :data:`HOST_NORM_BLOCK` elements at a time (a bf16 tensor's rows cast to float32 inside the
+    reduction also run 8x slower over 8M elements at once than block by block)."""
+    if tensor.is_contiguous():
+        blocks = tensor.reshape(-1).split(HOST_NORM_BLOCK)
+        norms = [
+            torch.linalg.vector_norm(row_norms(block, p, accumulate_in), p, dtype=torch.float64)
+            for block in blocks
+        ]
+        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), p)
+    else:
+        norm = row_norms(tensor, p, accumulate_in)[0].to(torch.float64)
+    return norm if math.isinf(p) else norm.pow(p)
 
 
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
@@ -377,7 +388,7 @@ def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> tor
     ``accumulate_in`` is float64 and the tensor narrower (the float64 read of
     :func:`sums_float32_first`), pieces of :data:`HOST_FLAT` elements, one reduction each: torch's
     reduction that casts each element to float64 is slower over longer tensors (the 2-norm of 8M
-    float32 elements on one thread: 30 ms at once, 6 ms so; 1.2 ms in float32 rows)."""
+    float32 elements on one thread: 30 ms at once, 6 ms so; 1.1 ms in float32 rows)."""
     cast = None if tensor.dtype == accumulate_in else accumulate_in
     if not tensor.is_contiguous():
         return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)

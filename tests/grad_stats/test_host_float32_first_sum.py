@@ -1,7 +1,7 @@
 """On the host, the 1- and 2-norm of float32 and bf16 grads are summed in float32 first, and read again in float64
 where that sum over- or underflowed.
 
-The float32 first sum (rows of ``HOST_ROW`` elements, blocks of ``HOST_BLOCK``) is what makes the host's exact norm
+The float32 first sum (rows of ``HOST_ROW`` elements, blocks of ``HOST_NORM_BLOCK``) is what makes the host's exact norm
 cost about what a float32 norm does; it is kept only where it is finite and at least ``numel * 2**-96``
 (``float32_share_holds``). Checked on grads long enough to be read in several blocks and rows, beside a small grad
 (the concatenated blocks of the list path), through the list path (``norm_of_grads``) and the flat grad buffer,
@@ -17,11 +17,11 @@ import torch
 from pgregistry import ProcessGroupCollection
 from pgregistry.collection import FIELD_NAMES
 from pgregistry.grad_stats import StatsGroups, norm_of_grads
-from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW
+from pgregistry.grad_stats._local import HOST_NORM_BLOCK, HOST_ROW
 from pgregistry.optim._grad_buffer import GradBuffer
 
 OFF = StatsGroups.from_collection(ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES)))
-SIZES = (2 * HOST_BLOCK + HOST_ROW + 3, 100)
+SIZES = (2 * HOST_NORM_BLOCK + HOST_ROW + 3, 100)
 """A grad read in three blocks (the last one rows and a shorter row), and a small one concatenated on its own."""
 
 
@@ -29,7 +29,7 @@ def _grads(case: str, dtype: torch.dtype) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(size, generator=generator, dtype=torch.float64) for size in SIZES]
     if case == "one-1e20-in-a-later-block":
-        grads[0][HOST_BLOCK + 5 * HOST_ROW + 7] = -1e20
+        grads[0][HOST_NORM_BLOCK + 5 * HOST_ROW + 7] = -1e20
     elif case == "1e-25":
         grads = [grad * 1e-25 for grad in grads]
     return [grad.to(dtype) for grad in grads]
