@@ -292,10 +292,12 @@ def _host_part(
             nonzeros.append(_host_nonzero(block))
     share = zeros = None
     if wanted.p is not None and norms:
-        share = _combined(norms, wanted.p)
+        share = _combine_shares(norms, wanted.p)
         if float32_first and not float32_share_holds(share, numel):
             blocks = (block for block in _blocks_of(tensors, plan) if block.numel())
-            share = _combined([host_share(b, wanted.p, accumulate_in) for b in blocks], wanted.p)
+            share = _combine_shares(
+                [host_share(b, wanted.p, accumulate_in) for b in blocks], wanted.p
+            )
     if wanted.zeros:
         counted = (
             torch.stack(nonzeros).sum().to(torch.float64)
@@ -319,7 +321,7 @@ def _blocks_of(tensors: Sequence[torch.Tensor], plan: KindPlan) -> Iterator[torc
             yield torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)
 
 
-def _combined(shares: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+def _combine_shares(shares: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """Shares of ``sum |x|^p`` (or ``max |x|``, or squares by range) combined into one."""
     stacked = torch.stack(list(shares))
     return stacked.amax() if math.isinf(p) else stacked.sum(0)
