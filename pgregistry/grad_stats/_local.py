@@ -372,7 +372,9 @@ def host_share(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> to
     The norms of its rows (:func:`row_norms`, in ``accumulate_in``) combined in float64,
     :data:`HOST_NORM_BLOCK` elements at a time (a bf16 tensor's rows cast to float32 inside the
     reduction also run 8x slower over 8M elements at once than block by block); a 1-norm in float32
-    through :func:`_magnitude_rows`, :data:`HOST_BLOCK` elements at a time."""
+    through :func:`_magnitude_rows`, :data:`HOST_BLOCK` elements at a time; 0 for no element."""
+    if not tensor.numel():
+        return torch.zeros((), dtype=torch.float64, device=tensor.device)
     if not tensor.is_contiguous():
         norm = row_norms(tensor, p, accumulate_in)[0].to(torch.float64)
         return norm if math.isinf(p) else norm.pow(p)

@@ -30,13 +30,13 @@ the parameter count:
   below 2**24), and the row counts are summed in float64: two reductions per span;
 * elsewhere (CPU) a float32 reduction is one sequential sum per thread, which loses precision (a
   relative error of 1.7e-4 measured over 8M elements), casts of bf16 are copies, and
-  ``count_nonzero`` branches per element (3x slower than a mask on random zeros). There both
-  statistics walk blocks of :data:`HOST_BLOCK` elements: the norm reduces rows of :data:`HOST_ROW`
-  elements and accumulates them in float64 (:func:`~pgregistry.grad_stats._local.host_share`): the
+  ``count_nonzero`` branches per element (3x slower than a mask on random zeros). There the
+  statistics walk blocks: the norm reduces rows of :data:`HOST_ROW` elements a block at a time
+  and accumulates them in float64 (:func:`~pgregistry.grad_stats._local.host_share`): the
   rows in float32, for the 1- and 2-norm of narrower grads first in float32 and again in float64
   where that sum over- or underflowed
   (:func:`~pgregistry.grad_stats._local.float32_share_holds`), in float64 for float64 grads; the
-  zero count compares into one reused mask.
+  zero count compares :data:`HOST_BLOCK` elements at a time into one reused mask.
   The extra memory stays bounded by a block, whatever the buffer's size.
 
 :func:`span_shares` accepts arbitrary spans over :attr:`GradBuffer.data`, which is how a sharded
