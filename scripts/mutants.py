@@ -548,6 +548,44 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="host-float32-sum-kept-when-infinite",
+        bug="on the host, the float32 first sum of float32/bf16 grads' 1- or 2-norm is kept though it is infinite "
+        "(a square or a row sum beyond float32): grads of 1e20 give an infinite 2-norm, a clip skipped",
+        file="pgregistry/grad_stats/_local.py",
+        find="    return math.isfinite(value) and value >= numel * FLOAT32_SHARE_FLOOR\n",
+        replace="    return value >= numel * FLOAT32_SHARE_FLOOR\n",
+        tests=(
+            "tests/grad_stats/test_host_float32_first_sum.py::"
+            "test_the_host_norm_is_the_float64_norm[one-1e20-in-a-later-block-p2-float32]",
+            "tests/grad_stats/test_host_float32_first_sum.py::"
+            "test_the_host_norm_is_the_float64_norm[one-1e20-in-a-later-block-p2-bf16]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e20-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[bf16-1e20-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e38-p1]",
+        ),
+    ),
+    Mutant(
+        name="host-float32-sum-kept-when-underflowed",
+        bug="on the host, the float32 first sum of float32/bf16 grads' 2-norm is kept though its squares fell below "
+        "float32's normal range: grads of 1e-25 give a norm of 0",
+        file="pgregistry/grad_stats/_local.py",
+        find="    return math.isfinite(value) and value >= numel * FLOAT32_SHARE_FLOOR\n",
+        replace="    return math.isfinite(value)\n",
+        tests=(
+            "tests/grad_stats/test_host_float32_first_sum.py::"
+            "test_the_host_norm_is_the_float64_norm[1e-25-p2-float32]",
+            "tests/grad_stats/test_host_float32_first_sum.py::"
+            "test_the_host_norm_is_the_float64_norm[1e-25-p2-bf16]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float32-1e-25-p2]",
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[bf16-1e-25-p2]",
+        ),
+    ),
+    Mutant(
         name="exact-norm-float32-kernel-lanes",
         bug="the one-read kernel squares float32/bf16 elements in float32 again (the loaded block cast to float32): "
         "grads of 1e20 give an infinite 2-norm, of 1e-25 a norm of 0, with no host read to catch it",

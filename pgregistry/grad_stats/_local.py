@@ -9,13 +9,15 @@ Each (device, dtype) *kind* of a list is read by one route:
   for the whole kind, both statistics in one read (the non-contiguous few go to torch's route);
 * the host: torch's multi-tensor ops loop over the tensors there (a dispatch of a few microseconds
   each, which dominates for small grads), so small grads are concatenated (one dispatch; by trailing
-  shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements in the
-  accumulation dtype (float64 for the 1- and 2-norm and for float64 grads, else float32:
-  :func:`~pgregistry.grad_stats._reductions.accumulates_in`), each reduced for both statistics while
-  it is in the cache; a grad of more than :data:`HOST_SMALL` elements is read in place, over rows of
-  :data:`HOST_ROW` elements combined in float64 when it is longer than :data:`HOST_BLOCK` (one
-  float32 reduction that long loses precision). The extra memory is one block, whatever the grads'
-  size;
+  shape, so that no view of each is made) into blocks of at most :data:`HOST_FLAT` elements, each
+  reduced for both statistics while it is in the cache; a grad of more than :data:`HOST_SMALL`
+  elements is read in place. Norms are taken over rows of :data:`HOST_ROW` elements,
+  :data:`HOST_NORM_BLOCK` at a time, combined in float64 (:func:`host_share`; one float32 reduction
+  over a long block loses precision), in the accumulation dtype
+  (:func:`~pgregistry.grad_stats._reductions.accumulates_in`), except that the 1- and 2-norm of
+  grads narrower than float64 are summed in float32 first and read again in float64 only where that
+  sum over- or underflowed (:func:`sums_float32_first`, :func:`float32_share_holds`). The extra
+  memory is one block, whatever the grads' size;
 * otherwise (CUDA float64, norms other than 2 without the kernel): ``torch._foreach_norm``.
 
 Complex grads are read through their moduli (``|z|``, a real copy of each): their norm is ``(sum
@@ -24,10 +26,12 @@ are scaled in place by the real coefficient.
 
 How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their
 values: :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls
-for as long as that layout stays the same. Shares accumulate in float64
-(:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element (torch's norms
-take ``dtype=torch.float64``, the kernel squares in float64), a float64 grad's 2-norm by range
-(:func:`~pgregistry.grad_stats._reductions.squares_by_range`), so neither needs a host read.
+for as long as that layout stays the same (only the host's float64 second read of a float32 first
+sum depends on values: local arithmetic, the collectives after it the same). Shares accumulate in
+float64 (:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element
+(torch's norms take ``dtype=torch.float64``, the kernel squares in float64; on the host a float32
+first sum where it is exact), a float64 grad's 2-norm by range
+(:func:`~pgregistry.grad_stats._reductions.squares_by_range`), so neither needs a device sync.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import math
 import operator
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from itertools import accumulate, compress
 from typing import Final, cast
 
@@ -58,6 +63,7 @@ from pgregistry.grad_stats._reductions import (
 __all__ = [
     "HOST_BLOCK",
     "HOST_FLAT",
+    "HOST_NORM_BLOCK",
     "HOST_ROW",
     "HOST_SMALL",
     "KindPlan",
@@ -72,8 +78,9 @@ __all__ = [
 ]
 
 HOST_BLOCK: Final = 1 << 18
-"""The most elements the host reduces in one float32 reduction (1 MiB of float32), and the bound on
-the statistics' temporary memory there."""
+"""The most elements the host reads at once where it makes temporaries of what it reads (a float64
+grad's squares by range, the exact norm's second read, the flat buffer's zero-count mask): the
+bound on the statistics' temporary memory there (1 MiB of float32)."""
 
 HOST_FLAT: Final = 1 << 15
 """Elements of one block of small grads flattened together on the host, and of one zero count there:
@@ -87,11 +94,17 @@ HOST_SMALL: Final = 1 << 14
 Smaller ones are flattened together.
 """
 
-HOST_ROW: Final = 1 << 12
-"""On the host, norms are taken over rows of this many elements in the grads' precision and the rows
-combined in float64: a float32 reduction over a long block is one sequential sum per thread, which
-loses precision (a relative error of 1.7e-4 measured over 8M elements); many short rows are as fast
-as one flat reduction."""
+HOST_ROW: Final = 1 << 9
+"""On the host, norms are taken over rows of this many elements in float32 (or the grads' dtype)
+and the rows combined in float64: torch's float32 norm over a long row drifts (a relative error of
+1.7e-4 measured over 8M elements in one reduction; over 8M bf16-valued elements, the 2-norm's rows
+of 4,096 came out 4.9e-7 low on average, 8 float32 units, rows of 512 4.3e-8 low); many short rows
+are as fast as one flat reduction (1.5 ms for 8M float32 elements on one thread)."""
+
+HOST_NORM_BLOCK: Final = 1 << 20
+"""Elements whose rows' norms :func:`host_share` holds at once before combining them in float64:
+:data:`HOST_NORM_BLOCK` / :data:`HOST_ROW` float32 (8 KiB); shorter blocks cost a few dispatches
+each (2^18: 1.8 ms for 8M float32 elements, 1.5 ms so)."""
 
 
 def by_kind(
@@ -257,42 +270,35 @@ def _host_part(
 
     The tensors of a block are concatenated into one (one dispatch, a block's memory); a tensor
     alone in its block is read in place. The 2-norm of float64 grads by range
-    (:func:`~pgregistry.grad_stats._reductions.squares_by_range`)."""
+    (:func:`~pgregistry.grad_stats._reductions.squares_by_range`); the 1- and 2-norm of narrower
+    grads summed in float32 first, read again in float64 where that sum does not hold
+    (:func:`float32_share_holds`)."""
     ranged = wanted.ranged and makes_norm_float64(plan.dtype)
     accumulate_in = accumulates_in(plan.dtype, wanted.p)
+    float32_first = sums_float32_first(plan.dtype, wanted.p)
     norms: list[torch.Tensor] = []
     nonzeros: list[torch.Tensor] = []
     numel = 0
-    for take in plan.blocks:
-        if isinstance(take, int):  # alone: read in place
-            block = tensors[take]
-        else:  # tensors of one trailing shape, concatenated along dim 0 (0-dim ones stacked)
-            pieces = take(tensors)
-            block = (torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)).to(
-                accumulate_in
-            )
+    for block in _blocks_of(tensors, plan):
         numel += block.numel()
         if not block.numel():
             continue
         if ranged:
             norms.append(squares_by_range([block], HOST_BLOCK))
         elif wanted.p is not None:
-            if block.numel() > HOST_BLOCK:  # a long reduction in float32 loses precision: by rows
-                rows = row_norms(block, wanted.p, accumulate_in).to(torch.float64)
-            else:  # one reduction (a reduction over rows costs a dispatch more than a block's read)
-                cast = None if block.dtype == accumulate_in else accumulate_in
-                rows = (
-                    torch.linalg.vector_norm(block, wanted.p, dtype=cast)
-                    .to(torch.float64)
-                    .reshape(1)
-                )
-            norms.append(rows.amax() if math.isinf(wanted.p) else rows.pow(wanted.p).sum())
+            norms.append(
+                host_share(block, wanted.p, torch.float32 if float32_first else accumulate_in)
+            )
         if wanted.zeros:
             nonzeros.append(_host_nonzero(block))
     share = zeros = None
     if wanted.p is not None and norms:
-        stacked = torch.stack(norms)
-        share = stacked.amax() if math.isinf(wanted.p) else stacked.sum(0)
+        share = _combine_shares(norms, wanted.p)
+        if float32_first and not float32_share_holds(share, numel):
+            blocks = (block for block in _blocks_of(tensors, plan) if block.numel())
+            share = _combine_shares(
+                [host_share(b, wanted.p, accumulate_in) for b in blocks], wanted.p
+            )
     if wanted.zeros:
         counted = (
             torch.stack(nonzeros).sum().to(torch.float64)
@@ -301,6 +307,25 @@ def _host_part(
         )
         zeros = numel - counted
     return make_part(share, zeros, device)
+
+
+def _blocks_of(tensors: Sequence[torch.Tensor], plan: KindPlan) -> Iterator[torch.Tensor]:
+    """The host blocks of ``plan`` over ``tensors``, each made as it is read (:class:`KindPlan`).
+
+    A tensor alone in its block as it is; the others of one trailing shape concatenated along dim 0
+    (0-dim ones stacked), in the grads' dtype."""
+    for take in plan.blocks:
+        if isinstance(take, int):
+            yield tensors[take]
+        else:
+            pieces = take(tensors)
+            yield torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)
+
+
+def _combine_shares(shares: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    """Shares of ``sum |x|^p`` (or ``max |x|``, or squares by range) combined into one."""
+    stacked = torch.stack(list(shares))
+    return stacked.amax() if math.isinf(p) else stacked.sum(0)
 
 
 def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
@@ -312,35 +337,107 @@ def _host_nonzero(tensor: torch.Tensor) -> torch.Tensor:
     ).sum()
 
 
+def sums_float32_first(dtype: torch.dtype, p: float | None) -> bool:
+    """Whether the host sums ``dtype`` grads' ``sum |g|^p`` in float32 before float64.
+
+    Where :func:`~pgregistry.grad_stats._reductions.accumulates_in` makes grads narrower than
+    float64 accumulate in float64 (the 1- and 2-norm of float32, bf16, fp16 grads, complex64's
+    moduli): torch's host reductions that cast each element to float64 run at a quarter of the
+    float32 ones' speed (``docs/performance.md``), so the host sums in float32 first, over rows, and
+    keeps that sum where :func:`float32_share_holds`; else it reads the grads again in float64."""
+    return accumulates_in(dtype, p) == torch.float64 and not makes_norm_float64(dtype)
+
+
+FLOAT32_SHARE_FLOOR: Final = 2.0**-96
+"""Per element, the least ``sum |g|^p`` a float32 sum is kept at (:func:`float32_share_holds`)."""
+
+
+def float32_share_holds(share: torch.Tensor, numel: int) -> bool:
+    """Whether a float32 first sum of ``numel`` grads' ``|g|^p`` (0-dim float64, host) is exact.
+
+    Exact to float32's rounding, as the float64 sum rounded to the grads' float32 norm: where it is
+    finite, no square or row sum left float32's range (a sum of non-negative numbers that overflows
+    stays infinite); where it is at least ``numel * 2**-96``, the squares below float32's normal
+    range (2**-126, each off by less than that, flushed or not) change it by less than 2**-30
+    relative. Otherwise (grads beyond 1.8e19 or of 1e-25, NaN or inf, all zero) the float64 read
+    decides, which also gives NaN and inf their verdict. A host read of a host tensor: no device
+    sync, and the collectives that follow are the same either way."""
+    value = float(share)
+    return math.isfinite(value) and value >= numel * FLOAT32_SHARE_FLOOR
+
+
+def host_share(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
+    """``sum |x|^p`` (``max |x|`` for the inf-norm) of one host tensor, 0-dim float64.
+
+    The norms of its rows (:func:`row_norms`, in ``accumulate_in``) combined in float64,
+    :data:`HOST_NORM_BLOCK` elements at a time (a bf16 tensor's rows cast to float32 inside the
+    reduction also run 8x slower over 8M elements at once than block by block); a 1-norm in float32
+    through :func:`_magnitude_rows`, :data:`HOST_BLOCK` elements at a time; 0 for no element."""
+    if not tensor.numel():
+        return torch.zeros((), dtype=torch.float64, device=tensor.device)
+    if not tensor.is_contiguous():
+        norm = row_norms(tensor, p, accumulate_in)[0].to(torch.float64)
+        return norm if math.isinf(p) else norm.pow(p)
+    flat = tensor.reshape(-1)
+    rows_of: Callable[[torch.Tensor], torch.Tensor]
+    if p == 1.0 and accumulate_in == torch.float32:
+        scratch = torch.empty(min(flat.numel(), HOST_BLOCK), dtype=torch.float32)
+        blocks, rows_of = flat.split(HOST_BLOCK), partial(_magnitude_rows, scratch=scratch)
+    else:
+        blocks = flat.split(HOST_NORM_BLOCK)
+        rows_of = partial(row_norms, p=p, accumulate_in=accumulate_in)
+    # each block's rows freed before the next block's are made
+    norms = [torch.linalg.vector_norm(rows_of(block), p, dtype=torch.float64) for block in blocks]
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), p)
+    return norm if math.isinf(p) else norm.pow(p)
+
+
+def _magnitude_rows(block: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The float32 1-norms of the rows of a flat ``block``, its ``|x|`` written into ``scratch``.
+
+    ``scratch`` is float32, at least as long; a narrower block is cast into it first. torch's
+    float32 1-norm sums each row in one sequence (8.4 ms for 8M elements on one thread, up to 5e-7
+    off over a row of 512), its sum pairwise (3 ms with the ``|x|`` written, 2e-10 off)."""
+    magnitudes = scratch[: block.numel()]
+    if block.dtype == torch.float32:
+        torch.abs(block, out=magnitudes)
+    else:
+        magnitudes.copy_(block).abs_()
+    bulk, tail = _rows_and_tail(magnitudes)
+    parts = [] if bulk is None else [bulk.sum(1)]
+    if tail is not None:
+        parts.append(tail.sum().reshape(1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _rows_and_tail(flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``flat``'s whole rows of :data:`HOST_ROW` elements as one 2-D view, and the shorter rest."""
+    rows = flat.numel() // HOST_ROW
+    bulk = flat[: rows * HOST_ROW].view(rows, HOST_ROW) if rows else None
+    tail = flat[rows * HOST_ROW :] if rows * HOST_ROW < flat.numel() else None
+    return bulk, tail
+
+
 def row_norms(tensor: torch.Tensor, p: float, accumulate_in: torch.dtype) -> torch.Tensor:
     """The ``p``-norms, in ``accumulate_in``, of consecutive rows of :data:`HOST_ROW` elements.
 
     Rows of ``tensor``, the last one shorter; a non-contiguous tensor's norm as one row. Where
-    ``accumulate_in`` is not the tensor's dtype (float32 and bf16 grads' 1- and 2-norm in float64),
-    rows of :data:`HOST_FLAT` elements: torch reduces a cast copy, so each is copied alone (256 KiB
-    of float64, reused from the cache), where a whole tensor cast at once costs its size in float64
-    and page faults on every call (the 2-norm of 8M float32 elements on one thread: 30 ms cast
-    whole, 6 ms so; 1.9 ms accumulated in float32)."""
+    ``accumulate_in`` is float64 and the tensor narrower (the float64 read of
+    :func:`sums_float32_first`), pieces of :data:`HOST_FLAT` elements, one reduction each: torch's
+    reduction that casts each element to float64 is slower over longer tensors (the 2-norm of 8M
+    float32 elements on one thread: 30 ms at once, 6 ms so; 1.1 ms in float32 rows)."""
     cast = None if tensor.dtype == accumulate_in else accumulate_in
     if not tensor.is_contiguous():
         return torch.linalg.vector_norm(tensor, p, dtype=cast).reshape(1)
     flat = tensor.reshape(-1)
-    if (
-        cast is not None
-    ):  # torch casts a copy first: one of HOST_FLAT elements at a time, cache-sized
+    if cast == torch.float64:
         return torch.stack(
             [torch.linalg.vector_norm(piece, p, dtype=cast) for piece in flat.split(HOST_FLAT)]
         )
-    rows = flat.numel() // HOST_ROW
-    parts = []
-    if rows:
-        parts.append(
-            torch.linalg.vector_norm(
-                flat[: rows * HOST_ROW].view(rows, HOST_ROW), p, dim=1, dtype=cast
-            )
-        )
-    if rows * HOST_ROW < flat.numel():
-        parts.append(torch.linalg.vector_norm(flat[rows * HOST_ROW :], p, dtype=cast).reshape(1))
+    bulk, tail = _rows_and_tail(flat)
+    parts = [] if bulk is None else [torch.linalg.vector_norm(bulk, p, dim=1, dtype=cast)]
+    if tail is not None:
+        parts.append(torch.linalg.vector_norm(tail, p, dtype=cast).reshape(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

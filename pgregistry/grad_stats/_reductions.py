@@ -31,12 +31,12 @@ expert TP and GTP duplicates, ``shared`` copies) are read too, into *seen* parts
 summed over: whether the norm is finite is decided over every grad of every rank, in the rows that
 already travel, while each element is still counted once. Shares accumulate in float64 whatever the
 grads' dtype (float64 grads of 3e30 have a finite norm); the 1- and 2-norm from the first element
-(:func:`accumulates_in`), a float64 grad's squares by range in two more columns of the 2-norm's
-rows (:func:`squares_by_range`), so the 1-, 2- and inf-norm wait on nothing: no host read, as
-torch's ``clip_grad_norm_``. Another ``p`` reads its norm on the host once, whether it is exact
-(:func:`reduce_shares`, which makes it so where ``sum |g|^p`` over- or underflowed). Results are
-0-dim tensors on the reduction device, the norm returned in
-float64 where this rank holds a float64 (or complex128) grad, float32 otherwise
+(:func:`accumulates_in`; on the host a float32 first sum where it is exact), a float64 grad's
+squares by range in two more columns of the 2-norm's rows (:func:`squares_by_range`), so the 1-, 2-
+and inf-norm wait on nothing: no device sync, as torch's ``clip_grad_norm_``. Another ``p`` reads
+its norm on the host once, whether it is exact (:func:`reduce_shares`, which makes it so where ``sum
+|g|^p`` over- or underflowed). Results are 0-dim tensors on the reduction device, the norm returned
+in float64 where this rank holds a float64 (or complex128) grad, float32 otherwise
 (:attr:`Reduced.norm`). A call issues a few small operations whatever the number of grads.
 """
 
@@ -172,7 +172,9 @@ def accumulates_in(dtype: torch.dtype, p: float | None) -> torch.dtype:
 
     Float64 for float64 (complex128) grads and, whatever the grads' dtype, for the 1- and 2-norm
     (:attr:`Wanted.exact_in_one_reduction`); float32 otherwise (other ``p`` may over- or underflow
-    there: :func:`reduce_shares` makes them exact; ``None``, a zero count alone, needs no more)."""
+    there: :func:`reduce_shares` makes them exact; ``None``, a zero count alone, needs no more). On
+    the host, narrower grads' 1- and 2-norm are summed in float32 first, kept where that sum is
+    exact, else read in this dtype (:func:`~pgregistry.grad_stats._local.sums_float32_first`)."""
     return torch.float64 if makes_norm_float64(dtype) or p in (1.0, 2.0) else torch.float32
 
 

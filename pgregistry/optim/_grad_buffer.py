@@ -30,10 +30,13 @@ the parameter count:
   below 2**24), and the row counts are summed in float64: two reductions per span;
 * elsewhere (CPU) a float32 reduction is one sequential sum per thread, which loses precision (a
   relative error of 1.7e-4 measured over 8M elements), casts of bf16 are copies, and
-  ``count_nonzero`` branches per element (3x slower than a mask on random zeros). There both
-  statistics walk blocks of :data:`HOST_BLOCK` elements: the norm reduces rows of :data:`HOST_ROW`
-  elements (in float32, in float64 for the 1- and 2-norm) and accumulates them in float64, the zero
-  count compares into one reused mask.
+  ``count_nonzero`` branches per element (3x slower than a mask on random zeros). There the
+  statistics walk blocks: the norm reduces rows of :data:`HOST_ROW` elements a block at a time
+  and accumulates them in float64 (:func:`~pgregistry.grad_stats._local.host_share`): the
+  rows in float32, for the 1- and 2-norm of narrower grads first in float32 and again in float64
+  where that sum over- or underflowed
+  (:func:`~pgregistry.grad_stats._local.float32_share_holds`), in float64 for float64 grads; the
+  zero count compares :data:`HOST_BLOCK` elements at a time into one reused mask.
   The extra memory stays bounded by a block, whatever the buffer's size.
 
 :func:`span_shares` accepts arbitrary spans over :attr:`GradBuffer.data`, which is how a sharded
@@ -62,7 +65,14 @@ from pgregistry.grad_stats._fused import (
     is_kernel_readable,
     span_squares_and_zeros,
 )
-from pgregistry.grad_stats._local import HOST_BLOCK, HOST_ROW, row_norms, share_over_divisor
+from pgregistry.grad_stats._local import (
+    HOST_BLOCK,
+    HOST_ROW,
+    float32_share_holds,
+    host_share,
+    share_over_divisor,
+    sums_float32_first,
+)
 from pgregistry.grad_stats._reductions import (
     Reduced,
     Shares,
@@ -331,16 +341,14 @@ def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
         return share_over_divisor([view], p, wanted.divisor)
     if wanted.ranged and view.dtype == torch.float64:
         return squares_by_range([view], HOST_BLOCK)
-    infinite = math.isinf(p)
-    acc = accumulates_in(view.dtype, p)
     if view.device.type == "cuda":  # torch's multi-tensor norm casts each element as it reads it
-        (norm,) = torch._foreach_norm([view], p, dtype=acc)
-        return norm.to(torch.float64) if infinite else norm.to(torch.float64).pow(p)
-    total = torch.zeros((), dtype=torch.float64, device=view.device)
-    for block in view.split(HOST_BLOCK):
-        rows = row_norms(block, p, acc).to(torch.float64)
-        total = torch.maximum(total, rows.max()) if infinite else total + rows.pow(p).sum()
-    return total
+        (norm,) = torch._foreach_norm([view], p, dtype=accumulates_in(view.dtype, p))
+        return norm.to(torch.float64) if math.isinf(p) else norm.to(torch.float64).pow(p)
+    if view.device.type == "cpu" and sums_float32_first(view.dtype, p):
+        share = host_share(view, p, torch.float32)
+        if float32_share_holds(share, view.numel()):
+            return share
+    return host_share(view, p, accumulates_in(view.dtype, p))
 
 
 def _count_nonzero(view: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from fixtures.unsharded_oracle import oracle_norm, oracle_zeros
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+import pgregistry.grad_stats._local as host_reads
 import pgregistry.optim._grad_buffer as grad_buffer
 from pgregistry import registry
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection
@@ -191,8 +192,9 @@ def test_float32_counting_is_inexact_past_2_pow_24_which_rows_avoid() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_host_norm_in_blocks_and_rows_matches(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(grad_buffer, "HOST_BLOCK", 1000)
-    monkeypatch.setattr(grad_buffer, "HOST_ROW", 64)
+    monkeypatch.setattr(grad_buffer, "HOST_BLOCK", 1000)  # the zero count's blocks
+    monkeypatch.setattr(host_reads, "HOST_NORM_BLOCK", 1000)  # the norm's blocks and rows (host_share)
+    monkeypatch.setattr(host_reads, "HOST_ROW", 64)
     params = [nn.Parameter(torch.empty(2_500, dtype=dtype)), mark_expert(nn.Parameter(torch.empty(10)))]
     buffer = GradBuffer(params, OFF_GROUPS, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
