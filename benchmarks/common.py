@@ -57,13 +57,23 @@ def fill_(tensors: list[torch.Tensor], seed: int, zeros: float = 0.3) -> None:
             t.masked_fill_(torch.rand(t.shape, generator=gen, device=t.device) < zeros, 0.0)
 
 
-def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int) -> tuple[float, float | None]:
-    """Median milliseconds of ``fn`` and, on CUDA, the peak MiB it allocated beyond what was live before."""
+def measure(
+    fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int, prepare: Callable[[], Any] | None = None
+) -> tuple[float, float | None]:
+    """Median milliseconds of ``fn`` and, on CUDA, the peak MiB it allocated beyond what was live before.
+
+    ``prepare``, when given, runs before every call of ``fn`` (warm-up calls too) outside its timing: on CUDA the
+    stream is synchronized after it, so none of its device work runs under ``fn``'s bracket and ``fn``'s host work
+    hides under none of it."""
     for _ in range(warmup):
+        if prepare is not None:
+            prepare()
         fn()
     if device.type != "cuda":
         times = []
         for _ in range(repeat):
+            if prepare is not None:
+                prepare()
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
@@ -73,6 +83,9 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: in
     torch.cuda.reset_peak_memory_stats(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
     for start, end in events:
+        if prepare is not None:
+            prepare()
+            torch.cuda.synchronize(device)
         start.record()
         fn()
         end.record()

@@ -16,6 +16,27 @@ bracketed on the stream, so a call's device work is inside its time), torch's ca
   is halved before each call, so each call finds the grads at the norm the call before clipped them to, twice its
   own ``max_norm`` (a fixed ``max_norm`` scales once, then finds nothing to scale).
 
+Those rows call on the same grad objects again and again (a loop that zeroes its grads in place, or pgregistry's
+optimizers, whose grads are views of one buffer): pgregistry's kept plan then takes its fastest path (the grads it
+planned for, known by their ids and addresses). torch's ``optimizer.zero_grad()`` sets every grad to ``None``
+instead (``set_to_none=True``, its default), so each backward makes new grad objects: the rows named ``..., new
+grads each call`` time that path. Before each call, outside its timing (``benchmarks.common.measure``'s
+``prepare``; on CUDA the stream synchronized after it), every parameter's grad is set to ``None`` (freed) and then
+given a new tensor holding the same values (a clone of a saved copy, made in parameter order), so every call reads
+new grad objects: at new addresses where the allocator hands back other memory (the CPU's, mostly), at the old ones
+where it hands back the same blocks (CUDA's caching allocator, mostly); the output says how many came back at their
+predecessor's address. torch's calls read the new grads from the parameters inside their timing too.
+
+- ``norm, new grads each call``, ``norm + zeros, new grads each call`` (pgregistry's one call);
+- ``clip, new grads each call``: ``max_norm`` a quarter of the norm; as the new grads hold the saved values, every
+  call finds the full norm and scales by a quarter.
+
+Each of those rows checks every call (warm-up too, outside the timing, before the next call's new grads): its
+statistics against the float64 oracle, pgregistry's call not taken by the kept plan's path for the grads it planned
+for (the plan's count of calls in a row whose grads were not those objects is above zero after each call: a call
+that took that path with new grads would have read stale objects), and the grads it left: unchanged (their float64
+norm bit for bit), or for the clip the saved values times the coefficient of the norm it returned.
+
 Every row checks its work after it is timed, and the run fails (exit 1) when a row's work did not happen: the last
 call's statistics against a float64 oracle of the grads (relative 1e-4 for float32, 1e-2 for bf16 where torch keeps
 per-tensor norms in bf16; zero counts exactly), the grads unchanged by every row but the scaling one (their float64
@@ -199,16 +220,56 @@ def oracle(grads: list[torch.Tensor]) -> tuple[float, int]:
     return norm64(grads), sum(grad.numel() for grad in grads) - int(nonzero)
 
 
+class NewGrads:
+    """Before each call (``measure``'s untimed ``prepare``): every parameter's grad set to ``None`` (freed), then a new
+    tensor holding the saved values (a clone, in parameter order), as ``zero_grad(set_to_none=True)`` and a backward
+    give. Checks the call before it (:meth:`check_call`) and counts the new grads that came at their predecessor's
+    address (the allocator's choice, which decides what a kept plan may keep)."""
+
+    def __init__(self, params: list[nn.Parameter], saved: list[torch.Tensor]) -> None:
+        self.params, self.saved = params, saved
+        self.grads: list[torch.Tensor] = []
+        """The grads the next call reads (held here too: no call may keep them alive in their place)."""
+        self.given = self.at_old_address = 0
+        self.check_call: Callable[[], None] | None = None
+        """Run first, on the call just made (outside the timing)."""
+
+    def __call__(self) -> None:
+        if self.check_call is not None and self.grads:
+            self.check_call()
+        old_addresses = [param.grad.data_ptr() if param.grad is not None else 0 for param in self.params]
+        self.grads = []
+        for param in self.params:
+            param.grad = None
+        for param, values in zip(self.params, self.saved, strict=True):
+            param.grad = values.clone()
+        self.grads = [param.grad for param in self.params]
+        self.given += len(self.grads)
+        self.at_old_address += sum(map(operator.eq, old_addresses, map(torch.Tensor.data_ptr, self.grads)))
+
+
+def plan_misses(model: nn.Module) -> int:
+    """How many calls in a row the kept plan of ``model`` found grads that were not the objects it planned for (0
+    after a call its path for those objects read: ``pgregistry/grad_stats/_plan.py``'s ``_Layout.misses``)."""
+    layout = plans._KEPT[model].plan._layout
+    if layout is None:
+        raise RuntimeError("the kept plan of the benchmark's model has no layout after a call")
+    return layout.misses
+
+
 class Row:
     """One row: a label, torch's call and pgregistry's, how many calls each makes (the floors' multiple), the
     grads' bytes one call must move over the grads' size (the byte floor's multiple), and what the last call must
     have returned (``norm``, ``zeros``: which statistics, from ``read(result)``)."""
 
     def __init__(self, label: str, theirs: Callable[[], Any], ours: Callable[[], Any], *, calls: int = 1,
-                 moves: int = 1, read: Callable[[Any, Any], tuple[Any, Any]] | None = None) -> None:
+                 moves: int = 1, read: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+                 new_grads: NewGrads | None = None) -> None:
         self.label, self.calls, self.moves = label, calls, moves
         self.fns = {"torch": theirs, "pgregistry": ours}
         self.read = read
+        self.new_grads = new_grads
+        """Given: every call reads new grads (:class:`NewGrads`, run before each call outside its timing)."""
         self.last: dict[str, Any] = {}
 
     def recorded(self, who: str) -> Callable[[], None]:
@@ -255,6 +316,22 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
             read=lambda r: (r, None)),
         Row("clip, scaling", Halving(torch_clip, norm), Halving(ours_clip, norm), moves=3),
     ]
+    new_grads = NewGrads(params, saved)
+
+    def torch_norm_new() -> torch.Tensor:  # torch reads the new grads from the parameters too
+        return torch.nn.utils.get_total_norm([param.grad for param in params], 2.0, foreach=True)
+
+    def torch_zeros_new() -> torch.Tensor:
+        return numel - torch.stack([torch.count_nonzero(param.grad) for param in params]).sum()
+
+    rows += [
+        Row("norm, new grads each call", torch_norm_new, lambda: grad_norm(model, OFF), read=lambda r: (r, None),
+            new_grads=new_grads),
+        Row("norm + zeros, new grads each call", lambda: (torch_norm_new(), torch_zeros_new()),
+            lambda: grad_norm_and_zeros(model, OFF), read=both[1], new_grads=new_grads),
+        Row("clip, new grads each call", lambda: torch_clip(norm / 4), lambda: ours_clip(norm / 4), moves=3,
+            read=lambda r: (r, None), new_grads=new_grads),
+    ]
     clip_grad_norm_(model, 1e30, OFF)  # compiles the scale kernel first: its compilation is no kept memory
     per_param = kept_size(model, device)
     bandwidth = copy_bandwidth(max(nbytes, 64 * MiB), device)
@@ -264,8 +341,19 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
         times = {}
         for who in ("torch", "pgregistry"):  # one after the other: the scaling rows' calls each follow their own
             torch._foreach_copy_(grads, saved)
-            times[who] = measure(row.recorded(who), device, args.warmup, args.repeat)[0]
-            problems += check_row(row, who, grads, (norm, zeros), tolerance)
+            if row.new_grads is None:
+                times[who] = measure(row.recorded(who), device, args.warmup, args.repeat)[0]
+                problems += check_row(row, who, grads, (norm, zeros), tolerance)
+                continue
+            found: list[str] = []
+            row.new_grads.check_call = lambda row=row, who=who, found=found: found.extend(
+                check_new_grads_call(row, who, model, row.new_grads, (norm, zeros), tolerance))
+            times[who] = measure(row.recorded(who), device, args.warmup, args.repeat, prepare=row.new_grads)[0]
+            row.new_grads.check_call()
+            row.new_grads.check_call, row.new_grads.grads = None, []
+            for param, grad in zip(params, grads, strict=True):  # the benchmark's own grads back, for the next rows
+                param.grad = grad
+            problems += found[:1]  # the first problem found: every later call would repeat it
         one_call = host_floor(params, args.warmup, args.repeat)
         results[row.label] = {
             **times,
@@ -275,7 +363,34 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
         }
     torch._foreach_copy_(grads, saved)
     return {"count": count, "bytes": nbytes, "results": results, "problems": problems, "kept": per_param,
-            "bandwidth": bandwidth, "oracle": (norm, zeros)}
+            "bandwidth": bandwidth, "oracle": (norm, zeros),
+            "new grads": (new_grads.at_old_address, new_grads.given)}
+
+
+def check_new_grads_call(
+    row: Row, who: str, model: nn.Module, new_grads: NewGrads, want: tuple[float, int], tolerance: float
+) -> list[str]:
+    """The call just made on new grads (outside the timing): pgregistry's call was not taken by the kept plan's path
+    for the grads it planned for (:func:`plan_misses` above zero: that path on new grads would read stale objects),
+    its statistics are the oracle's, and a clip left the grads scaled by the coefficient of the norm it returned."""
+    name = f"{len(new_grads.params):,} parameters, {who} {row.label}"
+    problems = []
+    if who == "pgregistry" and plan_misses(model) == 0:
+        problems.append(f"{name}: the call took the kept plan's path for the grads it planned for, but its grads "
+                        "were new objects (a stale plan's read)")
+    assert row.read is not None
+    got_norm, got_zeros = row.read(row.last[who])
+    if got_norm is not None and not math.isclose(float(got_norm), want[0], rel_tol=tolerance):
+        problems.append(f"{name}: returned the norm {float(got_norm):.7g}, not {want[0]:.7g}")
+    if got_zeros is not None and int(got_zeros) != want[1]:
+        problems.append(f"{name}: returned {int(got_zeros):,} zeros, not {want[1]:,}")
+    after = norm64(new_grads.grads)
+    scaled = row.moves > 1
+    expected = want[0] * (_coefficient(want[0] / 4, float(got_norm)) if scaled else 1.0)
+    if not math.isclose(after, expected, rel_tol=tolerance if scaled else 0.0):
+        problems.append(f"{name}: left the grads at the norm {after:.7g}, not {expected:.7g}"
+                        f"{' (not scaled by the coefficient of the norm it returned)' if scaled else ''}")
+    return problems
 
 
 def check_row(row: Row, who: str, grads: list[torch.Tensor], want: tuple[float, int], tolerance: float) -> list[str]:
@@ -384,17 +499,20 @@ def print_table(run: dict[str, Any], device: torch.device, dtype: str) -> None:
     print(f"\n{run['count']:,} {dtype} parameters, {run['bytes'] / GiB:.3f} GiB on {device}: copy bandwidth "
           f"{run['bandwidth'] / 1e12:.3f} TB/s (read + written), host floor {min(floors):.3f}-{max(floors):.3f} ms "
           "a call over the rows (each parameter's .grad read once at C speed, the lesser of two ways)")
-    print(f"  {'statistic':<24} {'torch ms':>9} {'pgregistry ms':>13} {'byte floor':>10} {'host floor':>10} "
+    print(f"  {'statistic':<34} {'torch ms':>9} {'pgregistry ms':>13} {'byte floor':>10} {'host floor':>10} "
           f"{'torch/floor':>11} {'pgregistry/floor':>16} {'vs torch':>9}")
     for label, r in run["results"].items():
         floor = max(r["bytes"], r["host"])
-        print(f"  {label:<24} {r['torch']:9.3f} {r['pgregistry']:13.3f} {r['bytes']:10.3f} {r['host']:10.3f} "
+        print(f"  {label:<34} {r['torch']:9.3f} {r['pgregistry']:13.3f} {r['bytes']:10.3f} {r['host']:10.3f} "
               f"{r['torch'] / floor:10.2f}x {r['pgregistry'] / floor:15.2f}x {r['torch'] / r['pgregistry']:8.2f}x")
     host, on_device = run["kept"]
     print(f"  kept classification: {host:.0f} bytes of Python objects and {on_device:.1f} bytes of device memory "
           "per parameter")
     norm, zeros = run["oracle"]
     print(f"  grads: float64 norm {norm:.9g}, {zeros:,} zeros; every row checked (see FAIL lines below)")
+    at_old_address, given = run["new grads"]
+    print(f"  rows without 'new grads': the same grad objects every call; rows with: new grads before every call, "
+          f"{at_old_address:,} of {given:,} ({at_old_address / max(given, 1):.0%}) at their predecessor's address")
 
 
 def targets(runs: list[dict[str, Any]], device: torch.device) -> list[Target]:

@@ -177,7 +177,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="kept-plan-misses-new-storage",
         bug="a kept classification reads the old addresses after a grad was re-pointed at storage of another shape",
         file="pgregistry/grad_stats/_plan.py",
-        find="same = _piece_facts(pieces, layout.reads_by_kernel) == layout.facts",
+        find="same = facts == layout.facts",
         replace="same = layout.facts is not None",
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),
@@ -200,6 +200,27 @@ MUTANTS: tuple[Mutant, ...] = (
         find="return pieces if self._at_planned_addresses(pieces) else None",
         replace="return pieces",
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
+    ),
+    Mutant(
+        name="kept-plan-keeps-grads-planned-for-before-a-new-plan",
+        bug="the kept reads, planned anew for grads replaced at new addresses (the 3rd call in a row), keep naming "
+        "the grads planned for before: given back, they would be read by reads planned for other pieces",
+        file="pgregistry/grad_stats/_plan.py",
+        find="            layout.planned_for = None  # planned for other pieces: never to be taken for these reads\n",
+        replace="",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_grads_planned_for_before_a_new_plan_are_not_taken_by_it",
+        ),
+    ),
+    Mutant(
+        name="clip-scales-only-a-targets-pieces",
+        bug="the kept plan takes the kinds of a target holding some of the pieces for every piece's: the clip leaves "
+        "the pieces of the other targets (a duplicate not counted here, another reduction group) unscaled",
+        file="pgregistry/grad_stats/_plan.py",
+        find="            if len(positions) == len(pieces)\n",
+        replace="            if positions\n",
+        tests=("tests/grad_stats/test_grad_stats_layouts.py::test_layout_matches_unsharded_oracle[TP2-EP4-ETP1]",),
     ),
     Mutant(
         name="statistics-plan-resolves-again",

@@ -265,12 +265,14 @@ class _Layout:
     planned_for: _Planned | None = None
     """The grad objects the reads were planned for (plain grads only), by which a call whose grads
     are those same objects at the same addresses skips reading their types, sizes and contiguity
-    (:meth:`_Planned.pieces_of`)."""
+    (:meth:`_Planned.pieces_of`). Dropped whenever the reads are planned anew (for other pieces):
+    it only ever names pieces the current reads were planned for."""
     misses: int = 0
     """Calls in a row whose grads were not the objects planned for. Grads a loop replaces every step
-    (``zero_grad(set_to_none=True)``) are planned for again after 1, 2, 4, 8, ... such calls only (a
-    pass that makes a weak reference per grad, for grads that die before the next call); grads
-    replaced once are planned for again at once."""
+    (``zero_grad(set_to_none=True)``) are planned for again after 1, 2, 4, 8, ... such calls only,
+    at the old addresses or at new ones (a pass that makes a weak reference per grad, about twice
+    the host floor at 20,000 parameters on the 2-core machine, for grads that die before the next
+    call); grads replaced once are planned for again at once."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -317,11 +319,12 @@ class Plan:
         """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""
         grads = _grads_of(params)
         layout = self._layout
-        if layout is not None and layout.planned_for is not None:
-            planned = layout.planned_for.pieces_of(grads, layout.take_plain)
-            if planned is not None:  # the grads the reads were planned for, where they were
-                layout.misses = 0
-                return self._read_pieces(layout, planned, [], params, wanted)
+        if layout is not None:
+            if layout.planned_for is not None:
+                planned = layout.planned_for.pieces_of(grads, layout.take_plain)
+                if planned is not None:  # the grads the reads were planned for, where they were
+                    layout.misses = 0
+                    return self._read_pieces(layout, planned, [], params, wanted)
             layout.misses += 1
         types = list(map(type, grads))
         if layout is None or types != layout.types:
@@ -345,15 +348,15 @@ class Plan:
         if dtensors or partial:
             pieces = [*pieces, *locals_, *(_LOCAL(grad) for _, _, grad in partial)]
         try:
-            same = _piece_facts(pieces, layout.reads_by_kernel) == layout.facts
+            facts = _piece_facts(pieces, layout.reads_by_kernel)
         except RuntimeError:  # a piece without storage (a sparse grad)
             self._make_layout(params, grads, types)  # raises, naming it
             raise
+        same = facts == layout.facts
         if not same:
-            self._plan_kinds(layout, pieces)
-        if dtensors or partial:
-            layout.planned_for = None
-        elif not same or layout.planned_for is None or layout.misses & (layout.misses - 1) == 0:
+            self._plan_kinds(layout, pieces, facts)
+            layout.planned_for = None  # planned for other pieces: never to be taken for these reads
+        if not (dtensors or partial) and layout.misses & (layout.misses - 1) == 0:
             layout.planned_for = _Planned.of(grads, pieces)
         return self._read_pieces(layout, pieces, partial, params, wanted)
 
@@ -480,20 +483,36 @@ class Plan:
         return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
     @staticmethod
-    def _plan_kinds(layout: _Layout, pieces: list[torch.Tensor]) -> None:
-        """Group each target's pieces (and all of them) by kind and plan their reads."""
+    def _plan_kinds(layout: _Layout, pieces: list[torch.Tensor], facts: list[int]) -> None:
+        """Group each target's pieces (and all of them) by kind and plan their reads.
+
+        ``facts`` are the pieces' facts as the call read them, with ``layout.reads_by_kernel`` from
+        before this plan: kept where the new kinds read contiguity as those were read, else read
+        again (one pass over the pieces less for each plan made anew)."""
+        read_contiguity = layout.reads_by_kernel
         layout.kinds = [
             (target, _group_into_kinds(pieces, positions)) for target, positions in layout.targets
         ]
         layout.watched_kinds = [
             (target, _group_into_kinds(pieces, positions)) for target, positions in layout.watched
         ]
-        layout.every = _group_into_kinds(pieces, range(len(pieces)))
+        # A target holding every piece holds them in order (positions ascend): its kinds are every
+        # piece's, not grouped and planned a second time.
+        whole = [
+            kinds
+            for (_, positions), (_, kinds) in zip(layout.targets, layout.kinds, strict=True)
+            if len(positions) == len(pieces)
+        ]
+        layout.every = whole[0] if whole else _group_into_kinds(pieces, range(len(pieces)))
         layout.wide = any(makes_norm_float64(kind.plan.dtype) for kind in layout.every)
         layout.reads_by_kernel = any(
             kind.plan.kernel for _, kinds in layout.kinds for kind in kinds
         ) or any(kind.plan.kernel for kind in layout.every)
-        layout.facts = _piece_facts(pieces, layout.reads_by_kernel)
+        layout.facts = (
+            facts
+            if layout.reads_by_kernel == read_contiguity
+            else _piece_facts(pieces, layout.reads_by_kernel)
+        )
 
 
 def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:

@@ -209,6 +209,44 @@ def test_grads_replaced_every_call_are_read_where_they_are() -> None:
         _check(model, _grads(model), f"kept grads, {param.shape}")
 
 
+def test_grads_planned_for_before_a_new_plan_are_not_taken_by_it() -> None:
+    """Grads replaced at new addresses every call are planned for again after 1, 2, 4, ... calls in a row only, while
+    the reads are planned anew at every such call. The grads planned for before a call that plans the reads anew
+    must be dropped then: kept alive by the loop and given back later at their addresses, they would be read by
+    reads planned for other pieces (on a GPU, the one-read kernel's launch table holds each piece's address and
+    size). On the CPU a read by another piece's plan still sums what it is given, so the plan's record is checked
+    too: after every call, the grads it names are those its reads were planned for (their addresses and sizes)."""
+    from pgregistry.grad_stats._plan import _KEPT
+
+    def call(what: str) -> None:
+        grads = _grads(model)
+        assert float(grad_norm(model, OFF)) == pytest.approx(_oracle(grads)[0], rel=1e-6), what
+        layout = _KEPT[model].plan._layout
+        assert layout is not None and layout.facts is not None
+        planned = layout.planned_for
+        if planned is not None:
+            assert planned.addresses == layout.facts[0::2], f"{what}: names grads its reads were not planned for"
+
+    model = _model()
+    call("first call")
+    weight = model.a.weight
+    held = []
+    for step in range(2):  # new grads at new addresses: calls 1 and 2 in a row plan the reads and the grads anew
+        for seed, param in enumerate(model.parameters(), start=300 + 10 * step):
+            param.grad = _fill(param, seed)
+        held.append({name: param.grad for name, param in model.named_parameters()})
+        call(f"new grads {step}")
+    old_data = weight.data
+    weight.data = torch.zeros(5, 4)  # a weight and grad of another size: the 3rd call in a row plans its reads anew
+    for seed, param in enumerate(model.parameters(), start=400):
+        param.grad = _fill(param, seed)
+    call("grads of another size, 3 calls in a row")
+    weight.data = old_data
+    for name, param in model.named_parameters():  # the grads planned for at the 2nd call, back where they were
+        param.grad = held[-1][name]
+    call("the grads planned for before the last plan, given back")
+
+
 def test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad() -> None:
     """A grad object freed and another tensor made over its storage can take its id too (CPython reuses the memory,
     often at once): same id, same address, perhaps other strides. The plan knows its grads by id only while all of
