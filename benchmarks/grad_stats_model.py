@@ -378,12 +378,8 @@ def check_new_grads_call(
     if who == "pgregistry" and plan_misses(model) == 0:
         problems.append(f"{name}: the call took the kept plan's path for the grads it planned for, but its grads "
                         "were new objects (a stale plan's read)")
-    assert row.read is not None
-    got_norm, got_zeros = row.read(row.last[who])
-    if got_norm is not None and not math.isclose(float(got_norm), want[0], rel_tol=tolerance):
-        problems.append(f"{name}: returned the norm {float(got_norm):.7g}, not {want[0]:.7g}")
-    if got_zeros is not None and int(got_zeros) != want[1]:
-        problems.append(f"{name}: returned {int(got_zeros):,} zeros, not {want[1]:,}")
+    got_norm, value_problems = _returned_values(row, who, name, want, tolerance)
+    problems += value_problems
     after = norm64(new_grads.grads)
     scaled = row.moves > 1
     expected = want[0] * (_coefficient(want[0] / 4, float(got_norm)) if scaled else 1.0)
@@ -414,13 +410,23 @@ def _returned(
     after = oracle(grads)
     if after != want:
         problems.append(f"{name}: changed the grads (norm {after[0]!r}, zeros {after[1]} after, {want} before)")
+    problems += _returned_values(row, who, name, want, tolerance)[1]
+    return problems
+
+
+def _returned_values(
+    row: Row, who: str, name: str, want: tuple[float, int], tolerance: float
+) -> tuple[Any, list[str]]:
+    """The norm the row's last call by ``who`` returned (``None`` for a zero count alone), and what in its
+    statistics differs from ``want`` (the oracle's norm and zero count)."""
     assert row.read is not None
     got_norm, got_zeros = row.read(row.last[who])
+    problems = []
     if got_norm is not None and not math.isclose(float(got_norm), want[0], rel_tol=tolerance):
         problems.append(f"{name}: returned the norm {float(got_norm):.7g}, not {want[0]:.7g}")
     if got_zeros is not None and int(got_zeros) != want[1]:
         problems.append(f"{name}: returned {int(got_zeros):,} zeros, not {want[1]:,}")
-    return problems
+    return got_norm, problems
 
 
 FLOOR_PIECE = "host floor (each .grad, C speed)"
