@@ -50,9 +50,8 @@ def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupColle
     from torch.nn import Module  # not at import: pgregistry loads no torch
 
     chunks = _as_chunks(model)
-    if (
-        not chunks
-    ):  # nothing would be recorded, and every entry point would fall back without a word
+    # Nothing would be recorded, and every entry point would fall back without a word.
+    if not chunks:
         raise ValueError(
             f"attach was given an empty {type(model).__name__} of model chunks: nothing to attach "
             "the collection to; pass the model, or its chunks"
