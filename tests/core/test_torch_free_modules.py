@@ -7,11 +7,10 @@ allowlist's pre-commit hook and the command table rely on these modules staying 
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
-from test_layers import _MODULES_OF_ITEM, DOC, _joined_lines, _module_map, _module_name
+from test_layers import _MODULES_OF_ITEM, DOC, _joined_lines, _module_map, modules_of_item
 
 
 def torch_free_modules(doc: str, package: str) -> list[str]:
@@ -19,15 +18,8 @@ def torch_free_modules(doc: str, package: str) -> list[str]:
     modules: list[str] = []
     for line in _joined_lines(_module_map(doc)):
         item = _MODULES_OF_ITEM.match(line)
-        if item is None or "torch-free" not in line:
-            continue
-        folder = ""
-        for path in re.findall(r"`([\w/]+\.py)`", item["modules"]):
-            if "/" in path:
-                folder = path.rpartition("/")[0] + "/"
-            else:
-                path = folder + path
-            modules.append(_module_name(package, path))
+        if item is not None and "torch-free" in line:
+            modules += modules_of_item(item["modules"], package)
     return modules
 
 
