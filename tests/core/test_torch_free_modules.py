@@ -28,7 +28,7 @@ def modules_loading_torch(modules: list[str]) -> list[str]:
     loading = []
     for module in modules:
         check = f"import sys, {module}; sys.exit('torch' in sys.modules)"
-        if subprocess.run([sys.executable, "-c", check], check=False).returncode:
+        if subprocess.run([sys.executable, "-c", check], check=False, timeout=60).returncode:
             loading.append(module)
     return loading
 
