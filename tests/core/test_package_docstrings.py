@@ -2,8 +2,9 @@
 
 The list (``:mod:`~pgregistry.checkpoint._disk```, or a name in double backquotes) is where a
 newcomer reads what the package holds; a module added later and not listed there is a claim that
-the package holds less than it does. ``grad_stats``, ``migrate`` and ``modules`` list some of
-their modules only and are not checked yet; ``cli`` lists its command modules and ``optim`` none.
+the package holds less than it does. ``grad_stats`` and ``migrate`` list some of their modules only
+and are not checked yet; ``cli`` lists its command modules, ``interop`` its public ones, ``modules``
+and ``optim`` none.
 """
 
 from __future__ import annotations
