@@ -101,8 +101,16 @@ lint: setup
 allowlist-check: setup
 	$(VENV)/bin/pgregistry allowlist check
 
+# Every benchmark this machine can run alone, at its default sizes (some take many minutes; each one's --help gives
+# smaller ones). Not the helpers (common.py, git_directories.py), nor those over a real tree's history, which need
+# its git directory (allowlist_megatron.py, allowlist_replay.py, migrate_hand_migrations.py; migrate_megatron.py
+# runs on the installed Megatron-Core); clip_verdict.py runs under torchrun.
+BENCH_APART := common git_directories allowlist_megatron allowlist_replay migrate_hand_migrations migrate_megatron \
+	clip_verdict
 bench: setup
-	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+	for b in $(filter-out $(BENCH_APART:%=benchmarks/%.py),$(wildcard benchmarks/*.py)); do $(PY) $$b || exit 1; done
+	$(PY) benchmarks/migrate_megatron.py --installed
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/clip_verdict.py
 
 # Planted bugs (scripts/mutants.py): each applied to a copy of the repository, the tests listed for it must fail.
 # A few minutes; exit 1 when a mutant survives, 2 when the list went stale (docs/reliability.md, "Planted bugs").

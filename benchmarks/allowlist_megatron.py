@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from git_directories import git_directory  # noqa: E402
+
 from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
 from pgregistry._source.engine import scan_files, scan_sources  # noqa: E402
 from pgregistry._source.files import discover_files  # noqa: E402
@@ -91,10 +93,16 @@ def family_table(rows: dict[str, Counter[str]]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("repository", type=Path, help="git directory of Megatron-LM (a bare clone or its .git)")
+    parser.add_argument(
+        "repository", type=git_directory, help="git directory of Megatron-LM (a bare clone or its .git)"
+    )
     parser.add_argument("--rev", default="HEAD")
     parser.add_argument(
-        "--user", type=Path, action="append", default=[], help="git directory of a project built on Megatron-LM"
+        "--user",
+        type=git_directory,
+        action="append",
+        default=[],
+        help="git directory of a project built on Megatron-LM",
     )
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()

@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from git_directories import git_directory  # noqa: E402
+
 from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
 from pgregistry._source.scanner import FileResult, scan_source  # noqa: E402
 from pgregistry.allowlist._baseline import FileChanges, base_limits, parse_name_status  # noqa: E402
@@ -110,7 +112,7 @@ LABELS = (
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("repository", type=Path, help="a git directory (bare clone or .git) of the project")
+    parser.add_argument("repository", type=git_directory, help="a git directory (bare clone or .git) of the project")
     parser.add_argument("--rev", default="HEAD", help="the tip to replay up to (default: HEAD)")
     parser.add_argument("--subtree", default="megatron/core")
     parser.add_argument("--months", type=int, default=2, help="how far back from the tip's commit date")

@@ -54,6 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from git_directories import git_directory  # noqa: E402
+
 from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry._source.scanner import scan_source  # noqa: E402
 from pgregistry.collection import FIELD_NAMES  # noqa: E402
@@ -328,7 +330,7 @@ def summary(comparisons: list[Comparison]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("repository", type=Path, help="Megatron-LM's git directory (a bare mirror is enough)")
+    parser.add_argument("repository", type=git_directory, help="Megatron-LM's git directory (a bare mirror is enough)")
     parser.add_argument("--commit", action="append", help="a hand migration's commit (default: the built-in list)")
     args = parser.parse_args(argv)
     commits = [(sha, sha) for sha in args.commit] if args.commit else list(HAND_MIGRATIONS)

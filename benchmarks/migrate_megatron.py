@@ -66,6 +66,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from git_directories import git_directory  # noqa: E402
+
 from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry._source.scanner import family_of, scan_source  # noqa: E402
 from pgregistry.migrate._style import line_length  # noqa: E402
@@ -253,7 +255,9 @@ def measure(before_root: Path, after_root: Path, folder: str, *, imports: bool =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("git_dir", nargs="?", help="a Megatron-LM git directory (a bare mirror will do)")
+    parser.add_argument(
+        "git_dir", nargs="?", type=git_directory, help="a Megatron-LM git directory (a bare mirror will do)"
+    )
     parser.add_argument("--rev", default="d98e8a64dd", help="the revision to export (default: d98e8a64dd)")
     parser.add_argument("--installed", action="store_true", help="the installed Megatron-Core's megatron/core")
     parser.add_argument("--timings", type=int, metavar="N", help="only time N runs of --write, each on a fresh copy")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from git_directories import git_directory  # noqa: E402
 from migrate_megatron import Measured, _copy_installed, _export, measure, print_measured  # noqa: E402
 
 CORPUS = Path(sys.prefix) / "corpus"
@@ -101,7 +102,12 @@ def print_table(rows: list[tuple[str, Measured]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megatron-lm", metavar="GIT_DIR", help="also Megatron-LM's megatron/core from this git dir")
+    parser.add_argument(
+        "--megatron-lm",
+        metavar="GIT_DIR",
+        type=git_directory,
+        help="also Megatron-LM's megatron/core from this git dir",
+    )
     parser.add_argument("--rev", default="d98e8a64dd", help="Megatron-LM's revision (default: d98e8a64dd)")
     parser.add_argument("--no-imports", action="store_true", help="skip the import check of the rewritten modules")
     parser.add_argument("--report", action="store_true", help="print every tree's figures and the tool's report")

@@ -257,6 +257,12 @@ def main(argv: list[str]) -> int:
         import torch
 
         args.backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.backend == "nccl":
+        from pgregistry.cli._torchrun_checks import nccl_without_cuda
+
+        problem = nccl_without_cuda()
+        if problem is not None:  # each world's ranks would fail on their first CUDA call, naming neither
+            parser.error(problem)
     return _worker(args) if args.worker else _driver(args)
 
 

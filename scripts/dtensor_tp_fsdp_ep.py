@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from pgregistry.cli._layout_views import parse_layout_spec  # noqa: E402
+from pgregistry.cli._torchrun_checks import nccl_without_cuda  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, BATCH = 32, 64, 8, 4
 REL = 1e-5
@@ -153,6 +154,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run it under torchrun")
+    if args.backend == "nccl" and (problem := nccl_without_cuda()) is not None:
+        parser.error(problem)  # torch.cuda.set_device would fail naming neither the option nor the fix
     init: dict[str, Any] = {"backend": args.backend, "timeout": timedelta(seconds=args.timeout)}
     if args.backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -619,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=positive_seconds, default=120.0, help="collective timeout in seconds")
     args = parser.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    where = torch.cuda.get_device_name() if args.backend == "nccl" else "cpu"
+    # run_checks refuses NCCL without CUDA (exit 2, naming the fix): the card's name is read only where there is one.
+    where = torch.cuda.get_device_name() if args.backend == "nccl" and torch.cuda.is_available() else "cpu"
     title = f"gpu_check: backend {args.backend}, {where}, torch {torch.__version__}"
     return run_checks(title, args.backend, all_checks, timeout=args.timeout)
 

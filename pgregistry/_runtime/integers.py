@@ -1,4 +1,6 @@
-"""Counts given to the public API: an integer of any type, positive, never a bool or a float.
+"""Counts, ranks and indices given to the public API: integers of any type, never bools or floats.
+
+A count is positive (``positive_int``), a rank or offset 0 or more (``non_negative_int``).
 
 ``place(layout, np.int64(8))`` was refused as "gpus_per_node must be a positive integer, got
 np.int64(8)", which it is, while ``node_of(13, -8)`` answered node -2 and ``node_of(3.5, 2)`` node

@@ -30,7 +30,15 @@ into a directory of its own).
 * :mod:`~pgregistry.checkpoint._distributed`: ``torch.distributed.checkpoint``
   (:func:`save_distributed` / :func:`load_distributed`);
 * :mod:`~pgregistry.checkpoint._optimizer_shards`: the sharded optimizer-state format (merge, cut,
-  save, load).
+  save, load);
+* :mod:`~pgregistry.checkpoint._agreement`: the ranks a save or load runs over, and their verdicts
+  taken alike;
+* :mod:`~pgregistry.checkpoint._directory`: the ``directory`` of every save and load (a path, not
+  empty, not a file; a DCP save never overwrites a checkpoint);
+* :mod:`~pgregistry.checkpoint._disk`: one file written under a temporary name, renamed when the
+  caller says; a failed write names the file;
+* :mod:`~pgregistry.checkpoint._integrity`: the CRC-32 of every stored tensor, checked for the
+  tensors a load reads.
 
 The functions given model chunks find the global names with the keywords ``pg_collection``,
 ``num_experts`` and ``layer_offsets`` (:class:`~pgregistry.experts._names.NamingOptions`;

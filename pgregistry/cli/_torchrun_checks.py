@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Check", "report_checks", "run_checks"]
+__all__ = ["Check", "nccl_without_cuda", "report_checks", "run_checks"]
 
 Check: TypeAlias = tuple[str, bool, str]
 """One check: its name, whether it passed, a detail (values seen) for the report."""
@@ -59,13 +59,9 @@ def run_checks(
         return 2
     init: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout)}
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
-            print(
-                f"{command}: error: --backend nccl needs CUDA, and torch "
-                f"{torch.__version__} here has none ({build}); use --backend gloo",
-                file=sys.stderr,
-            )
+        problem = nccl_without_cuda()
+        if problem is not None:
+            print(f"{command}: error: {problem}", file=sys.stderr)
             return 2
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -81,6 +77,22 @@ def run_checks(
         gc.collect()
         registry.destroy()
         dist.destroy_process_group()
+
+
+def nccl_without_cuda() -> str | None:
+    """Why ``--backend nccl`` cannot run here (torch sees no GPU), or ``None`` when it can.
+
+    Said before any process group or CUDA call, whose own errors (``Torch not compiled with CUDA
+    enabled``, a missing ``_cuda_setDevice``) name neither the option nor the fix."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+    return (
+        f"--backend nccl needs CUDA, and torch {torch.__version__} here has none ({build}); "
+        "use --backend gloo"
+    )
 
 
 def report_checks(

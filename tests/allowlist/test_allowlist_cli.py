@@ -4,6 +4,7 @@ a command path that never imports torch."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from fixtures.scan_projects import Project
 
+from pgregistry._source.config import ScanConfig, Settings, read_toml
 from pgregistry._source.options import add_settings_options, settings_arguments
 from pgregistry.allowlist import main as allowlist_main
 from pgregistry.allowlist._cli import add_actions
@@ -381,3 +383,26 @@ def test_a_config_that_is_no_regular_file_is_named_as_what_it_is(
     code, _, err = run(capsys, "check", "--config", config)
     assert code == 2 and f"--config {config} {kind}" in err
     assert "no such file" not in err
+
+
+def _documented_settings(text: str, folder: Path) -> dict[str, object]:
+    """The ``[tool.pgregistry.allowlist]`` table of docs/allowlist.md's "Configuration", read as TOML (its
+    ``accessors`` line, which elides with ``...``, left out)."""
+    block = text.split("## Configuration", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    (folder / "pyproject.toml").write_text("\n".join(line for line in block.splitlines() if "..." not in line))
+    return dict(read_toml(folder / "pyproject.toml")["tool"]["pgregistry"]["allowlist"])
+
+
+def test_the_docs_settings_are_the_known_keys_and_their_defaults_are_the_code_s(tmp_path: Path) -> None:
+    """docs/allowlist.md's settings table names every key the table takes (and no other), and the keys it
+    shows at their default value (those without an example's ``# default`` comment) hold the code's."""
+    text = (REPO / "docs" / "allowlist.md").read_text()
+    documented = _documented_settings(text, tmp_path)
+    scan_keys = {field.name.replace("_", "-"): field.name for field in dataclasses.fields(ScanConfig)}
+    known = set(scan_keys) | {"roots", "exclude", "extend-exclude", "preset", "allowlist", "cache-dir"}
+    assert set(documented) | {"accessors"} == known
+    defaults = Settings(root=REPO)
+    assert documented["exclude"] == list(defaults.exclude) and documented["cache-dir"] == str(defaults.cache_dir)
+    for key in set(scan_keys) - {"accessors"}:
+        assert documented[key] == list(getattr(ScanConfig(), scan_keys[key])), key
+    assert f'# default ["{defaults.roots[0]}"]' in text and f'# default "{defaults.allowlist}"' in text

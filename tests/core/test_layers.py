@@ -51,6 +51,20 @@ def _joined_lines(text: str) -> list[str]:
     return joined
 
 
+def modules_of_item(modules: str, package: str) -> list[str]:
+    """The modules a list item names before its colon (``grad_stats/_fused.py``, ``_triton_kernels.py``: a
+    name without a folder is in the folder of the name before it)."""
+    named = []
+    folder = ""
+    for path in re.findall(r"`([\w/]+\.py)`", modules):
+        if "/" in path:
+            folder = path.rpartition("/")[0] + "/"
+        else:
+            path = folder + path
+        named.append(_module_name(package, path))
+    return named
+
+
 def layers_of(doc: str, package: str) -> dict[str, int]:
     """Module -> its layer's position in the doc's module map (0 = top); ``ValueError`` for a module named twice."""
     layers: dict[str, int] = {}
@@ -61,13 +75,7 @@ def layers_of(doc: str, package: str) -> dict[str, int]:
         item = _MODULES_OF_ITEM.match(line)
         if item is None:
             continue
-        folder = ""
-        for path in re.findall(r"`([\w/]+\.py)`", item["modules"]):
-            if "/" in path:
-                folder = path.rpartition("/")[0] + "/"
-            else:
-                path = folder + path
-            name = _module_name(package, path)
+        for name in modules_of_item(item["modules"], package):
             if name in layers:
                 raise ValueError(f"{name} is in two rows of the module map")
             layers[name] = layer
