@@ -7,7 +7,10 @@ One convention for every command: a module of this package (:mod:`~pgregistry.cl
 and sets ``handler``, a callable taking the parsed namespace and returning the exit code. Bad input
 is reported as ``pgregistry COMMAND: error: ...`` on stderr.
 
-Exit codes: 0 success, 1 a check failed, 2 a usage error or bad input (argparse's own convention).
+Exit codes: 0 success, 1 a check failed, 2 a usage error or bad input (argparse's own convention);
+141 when the reader of standard output closed it first (``pgregistry layout ... | head``): the
+shell's code for a command ended by ``SIGPIPE``, as ``cat`` or ``git`` end, so a pipeline under
+``set -o pipefail`` still sees that the command did not finish.
 
 The command modules must not import torch at module load: ``pgregistry allowlist`` runs in lint jobs
 where torch is absent or slow to import, so torch is imported inside handlers only.
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from collections.abc import Sequence
 
 from pgregistry._runtime.exact_options import ExactOptionParser
@@ -55,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success, 1 when a check failed, 2 for bad input the command reported itself (its
-        message ``pgregistry COMMAND: error: ...`` on stderr).
+        message ``pgregistry COMMAND: error: ...`` on stderr), 141 when standard output's reader
+        closed it before the command finished (:data:`CLOSED_OUTPUT`).
 
     Raises:
         SystemExit: With code 2 for a usage error argparse catches (an unknown command or option),
@@ -67,5 +73,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         main(["layout", "--num-ranks", "4", "--tp", "3"])  # "... not divisible ..."; 2
     """
     args = _build_parser().parse_args(argv)
-    code: int = args.handler(args)
+    try:
+        code: int = args.handler(args)
+        sys.stdout.flush()  # a closed pipe is found here when the output fit in the buffer
+    except BrokenPipeError:
+        _drop_standard_output()
+        return CLOSED_OUTPUT
     return code
+
+
+CLOSED_OUTPUT = 141
+"""128 + ``SIGPIPE`` (13): the exit code when standard output's reader closed it first, the code a
+shell gives a command that ``SIGPIPE`` ended. Not 0: what the command would have said after that
+point (a failed check's 1) is unknown."""
+
+
+def _drop_standard_output() -> None:
+    """Point standard output at ``os.devnull``.
+
+    Python's flush at exit would raise on the closed pipe again and print a traceback (the remedy
+    the ``signal`` module's documentation gives)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -156,3 +156,23 @@ def test_rank_view_names_its_node(capsys: pytest.CaptureFixture[str]) -> None:
     assert "\nrank 13 (node 3): tp 1," in capsys.readouterr().out  # 13 // 4
     assert main(["layout", "--num-ranks", "16", "--rank", "13", "--gpus-per-node", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rank"]["node"] == 1
+
+
+def test_a_reader_closing_the_output_first_ends_the_command_with_141_and_no_traceback() -> None:
+    """``pgregistry layout ... | head``: the pipe's reader is gone before the table is written. Python ignores
+    SIGPIPE, so the write raises ``BrokenPipeError``; without the command line's handling that is a traceback
+    and exit 1 (a failed check's code), and again at exit when Python flushes standard output."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before the first byte
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pgregistry", "layout", "--num-ranks", "64", "--tp", "2"],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
