@@ -8,11 +8,19 @@ A global grad statistic must count each distinct piece of the model exactly once
   reducer issuing every collective in an order every rank agrees on;
 * :mod:`~pgregistry.grad_stats._local`: local shares of lists of grads (the one-read kernel, host
   blocks, torch);
+* :mod:`~pgregistry.grad_stats._fused`: the one-read kernel's launches and tables on CUDA, its
+  Triton kernels in :mod:`~pgregistry.grad_stats._triton_kernels` (imported only where triton is);
+* :mod:`~pgregistry.grad_stats._dtensors`: DTensor grads (FSDP2, ``parallelize_module``), each
+  local piece counted as its placements and roles say;
 * :mod:`~pgregistry.grad_stats._lists`: norms, zero counts and clipping of grads already filtered by
   group;
 * :mod:`~pgregistry.grad_stats._plan`: a model's classification, kept between calls while it cannot
   be stale;
 * :mod:`~pgregistry.grad_stats._devices`: the device a statistic is computed and reduced on;
+* :mod:`~pgregistry.grad_stats._arguments`: the checks of ``max_norm`` and ``norm_type``, one set
+  for every entry point;
+* :mod:`~pgregistry.grad_stats._classification`: the refusal of a marked expert module's parameter
+  that does not say whether it is replicated across EP;
 * :mod:`~pgregistry.grad_stats._functional`: :func:`grad_norm`, :func:`count_zeros`,
   :func:`grad_norm_and_zeros`, :func:`clip_grad_norm_` and :func:`classify_grads` on a model and its
   collection.
