@@ -1652,7 +1652,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a layer shared by two colocated modules is counted in both modules' norms (sqrt(10) for sqrt(6)) and "
         "clipped once per module, by the square of the coefficient",
         file="pgregistry/modules/_stats.py",
-        find="        error = _tensor_in_two_modules(given, modules, owner)\n",
+        find="        checked, error = _check_plans_and_shared_tensors(given, modules, owner)\n",
         replace="        pass\n",
         tests=("tests/modules/test_modules_tensor_in_two_modules.py::"
                "test_a_tensor_in_two_modules_models_is_refused_on_every_rank_naming_it",),
