@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import operator
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import accumulate, compress
 from typing import Final, cast
@@ -462,10 +462,14 @@ def share_over_divisor(
 
 
 def _kind_parts(
-    grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
+    kinds: Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+    wanted: Wanted,
+    device: torch.device,
 ) -> Iterator[tuple[torch.dtype, list[torch.Tensor]]]:
-    """Each kind's dtype and parts, one read per kind, planned afresh."""
-    for (kind_device, dtype), same_kind in by_kind(grads).items():
+    """Each kind's dtype and parts, one read per kind, planned afresh.
+
+    ``kinds`` as :func:`by_kind` gives them."""
+    for (kind_device, dtype), same_kind in kinds.items():
         yield dtype, read_kind(same_kind, plan_kind(same_kind, kind_device, dtype), wanted, device)
 
 
@@ -473,12 +477,18 @@ def parts_of(
     grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
     """The parts of ``grads`` (any device, dtype; plain tensors), a read per kind, planned anew."""
-    return [part for _, parts in _kind_parts(grads, wanted, device) for part in parts]
+    return [part for _, parts in _kind_parts(by_kind(grads), wanted, device) for part in parts]
 
 
-def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) -> None:
-    """Add ``grads``' parts (:func:`parts_of`) to ``shares`` under ``group``, noting dtypes."""
-    for dtype, parts in _kind_parts(grads, shares.wanted, shares.device):
+def add_parts(
+    shares: Shares,
+    group: GroupKey,
+    kinds: Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+) -> None:
+    """Add the parts of grads grouped by kind to ``shares`` under ``group``, noting dtypes.
+
+    ``kinds`` as :func:`by_kind` gives them."""
+    for dtype, parts in _kind_parts(kinds, shares.wanted, shares.device):
         shares.widen(dtype)
         for part in parts:
             shares.add(group, part)
