@@ -1652,7 +1652,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a layer shared by two colocated modules is counted in both modules' norms (sqrt(10) for sqrt(6)) and "
         "clipped once per module, by the square of the coefficient",
         file="pgregistry/modules/_stats.py",
-        find="        error = _tensor_in_two_modules(given, modules, owner)\n",
+        find="        checked, error = _check_plans_and_shared_tensors(given, modules, owner)\n",
         replace="        pass\n",
         tests=("tests/modules/test_modules_tensor_in_two_modules.py::"
                "test_a_tensor_in_two_modules_models_is_refused_on_every_rank_naming_it",),
@@ -1736,8 +1736,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="norm_of_grads, zeros_of_grads and clip_grads_ of meta grads answer a meta tensor with no value and "
         "scale nothing, without a word",
         file="pgregistry/grad_stats/_lists.py",
-        find=" and not any(map(_IS_META, grads))",
-        replace="",
+        find="        if not any(device.type == \"meta\" for kinds_of_list in kinds for device, _ in kinds_of_list):\n",
+        replace="        if True:\n",
         tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
                "test_meta_grads_are_refused_on_every_rank_naming_the_parameter_and_the_fix",),
     ),
@@ -1746,8 +1746,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="clip_grads_ given one tensor twice scales it by the square of the coefficient (0.01 for 0.1 at a norm "
         "of 10), and norm_of_grads counts it twice",
         file="pgregistry/grad_stats/_lists.py",
-        find="len(set(map(id, grads))) == len(grads) and ",
-        replace="",
+        find="len(set(map(id, chain.from_iterable(grads)))) == sum(map(len, grads))",
+        replace="True",
         tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
                "test_a_tensor_given_twice_is_refused_not_counted_or_scaled_twice",),
     ),

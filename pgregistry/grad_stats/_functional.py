@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import attrs
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -36,7 +37,7 @@ from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
-from pgregistry.grad_stats._plan import check_or_make_plan
+from pgregistry.grad_stats._plan import Plan, check_or_make_plan
 from pgregistry.grad_stats._reductions import (
     Clipping,
     Reduced,
@@ -46,12 +47,15 @@ from pgregistry.grad_stats._reductions import (
 )
 
 __all__ = [
+    "CheckedPlan",
     "check_expert_classification",
+    "check_plan",
     "classify_grads",
     "clip_grad_norm_",
     "count_zeros",
     "grad_norm",
     "grad_norm_and_zeros",
+    "reduce_checked",
     "verdict_groups",
 ]
 
@@ -167,6 +171,41 @@ def _may_hold_a_grad(tensor: object) -> bool:
     )
 
 
+@attrs.frozen(slots=True)
+class CheckedPlan:
+    """What a statistics call was given, with its kept plan checked for this call (or made anew).
+
+    What the read needs: the plan, the parameters in its order and the collection filled for it
+    (:func:`~pgregistry.grad_stats._plan.check_or_make_plan`). A caller that looks at the plan
+    before the statistic reads (:mod:`pgregistry.modules`' refusal of a tensor in two modules'
+    models) checks it once (:func:`check_plan`) and hands it down (:func:`reduce_checked`)."""
+
+    source: Source
+    plan: Plan
+    params: list[torch.Tensor]
+    collection: ProcessGroupCollection
+
+
+def check_plan(
+    source: Source, pg_collection: ProcessGroupCollection | None, owner: str
+) -> CheckedPlan:
+    """The kept plan of ``source`` checked, or made anew, on the collection the door resolves once.
+
+    ``source`` is what the door took apart (:func:`~pgregistry._runtime.resolve.source_of`)."""
+    given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
+    plan, params, collection = check_or_make_plan(source, given, owner)
+    return CheckedPlan(source, plan, params, collection)
+
+
+def reduce_checked(checked: CheckedPlan, owner: str, wanted: Wanted) -> Reduced:
+    """The statistics ``wanted`` of a plan the caller checked (:func:`check_plan`), reduced.
+
+    The entry points' way down after their own plan check: tensors without grads refused, the grads
+    read once and reduced; the plan is not checked a second time."""
+    _refuse_tensors_without_grads(checked.source, owner)
+    return _read_and_reduce(checked, owner, wanted)
+
+
 def _read_reduce_and_clip(
     params: ParamsLike,
     pg_collection: ProcessGroupCollection | None,
@@ -180,10 +219,21 @@ def _read_reduce_and_clip(
     See the module docstring. ``max_norm`` is checked by the caller before any collective."""
     source = source_of(params)
     _refuse_tensors_without_grads(source, owner)
-    given = resolve_pg_collection(pg_collection, source.chunks, owner=owner)
-    plan, ordered, collection = check_or_make_plan(source, given, owner)
+    checked = check_plan(source, pg_collection, owner)
+    return _read_and_reduce(checked, owner, wanted, max_norm, error_if_nonfinite)
+
+
+def _read_and_reduce(
+    checked: CheckedPlan,
+    owner: str,
+    wanted: Wanted,
+    max_norm: float | None = None,
+    error_if_nonfinite: bool = False,
+) -> Reduced:
+    """Read the grads of a checked plan once, reduce them and (with ``max_norm``) clip them."""
+    plan, ordered = checked.plan, checked.params
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
-    verdict = verdict_groups(collection, owner) if max_norm is not None else ()
+    verdict = verdict_groups(checked.collection, owner) if max_norm is not None else ()
     reduced = reduce_shares(
         read.shares, verdict=verdict, reread=lambda again: plan.read(ordered, again).shares
     )

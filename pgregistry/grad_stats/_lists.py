@@ -12,9 +12,8 @@ is exact (a device sync on CUDA; see :func:`~pgregistry.grad_stats._reductions.r
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain
-from operator import attrgetter
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from pgregistry.grad_stats._local import add_parts, by_kind, scale_kind
 from pgregistry.grad_stats._reductions import (
     Clipping,
     GradsByGroup,
+    GroupKey,
     Shares,
     Wanted,
     check_max_norm,
@@ -36,48 +36,72 @@ from pgregistry.grad_stats._reductions import (
 __all__ = ["clip_grads_", "norm_of_grads", "scale_grads_", "zeros_of_grads"]
 
 
-_IS_META = attrgetter("is_meta")
+Kinds = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+"""Tensors by (device, dtype): :func:`~pgregistry.grad_stats._local.by_kind`'s grouping."""
 
 
-def _check_grads(grads: list[torch.Tensor], named: Iterable[tuple[str, object]], use: str) -> None:
-    """Refuse ``grads`` holding a tensor twice, a tensor on the meta device or no tensor.
+def _kinds_checked(
+    grads: Sequence[Sequence[torch.Tensor]], named: Iterable[tuple[str, object]], use: str
+) -> list[Kinds]:
+    """``grads`` by kind, each of ``grads``' lists grouped apart, once none is refused.
 
-    A tensor given twice would be counted twice in a norm, or scaled twice by a clip (torch's
-    ``get_total_norm`` and ``clip_grads_with_norm_`` do both, silently); a meta tensor has no
-    values (the result would be a meta tensor with none). The look is two passes at C speed over
-    the tensors' ids and ``is_meta``; only a fault walks ``named`` (each entry's label and value,
-    in ``grads``' order) to name the first culprit, with what the call does with it (``use``)."""
-    try:
-        clean = len(set(map(id, grads))) == len(grads) and not any(map(_IS_META, grads))
-    except AttributeError:  # an entry that is no tensor: the walk below names it
-        clean = False
-    if clean:
-        return
+    Refused: a tensor given twice, a tensor on the meta device, an entry that is no tensor. A tensor
+    given twice would be counted twice in a norm, or scaled twice by a clip (torch's
+    ``get_total_norm`` and ``clip_grads_with_norm_`` do both, silently); a meta tensor has no values
+    (the result would be a meta tensor with none). ``grads`` is one list or several (a group's
+    each); ``named`` yields each entry's label and value over all of them, in order. The look is one
+    pass at C speed over the tensors' ids, and the grouping the reads need anyway, which refuses an
+    entry that is no tensor and shows the meta device as a kind of its own; only a fault walks
+    ``named`` to name the first culprit, with what the call does with it (``use``)."""
+    if len(set(map(id, chain.from_iterable(grads)))) == sum(map(len, grads)):
+        try:
+            kinds = [by_kind(same_list) for same_list in grads]
+        except (TypeError, RuntimeError):  # torch's words for an entry that is no tensor
+            culprit = _first_culprit(named, use)
+            if culprit is None:
+                raise
+            raise culprit from None
+        if not any(device.type == "meta" for kinds_of_list in kinds for device, _ in kinds_of_list):
+            return kinds
+    culprit = _first_culprit(named, use)
+    assert culprit is not None  # the walk meets the tensor given twice or on the meta device
+    raise culprit
+
+
+def _first_culprit(named: Iterable[tuple[str, object]], use: str) -> Exception | None:
+    """The error naming the first culprit among ``named``, or ``None`` where there is none.
+
+    A culprit is an entry that is no tensor, on the meta device, or the same tensor as an entry
+    before it."""
     first_label: dict[int, str] = {}
     for label, grad in named:
         if not isinstance(grad, torch.Tensor):
-            raise TypeError(
+            return TypeError(
                 f"{label} is {grad!r} ({type(grad).__name__}), not a tensor: pass the grads that "
                 "are set (skip a parameter whose .grad is None)"
             )
         if grad.is_meta:
-            raise meta_tensor_error(label)
+            return meta_tensor_error(label)
         if id(grad) in first_label:
-            raise ValueError(
+            return ValueError(
                 f"{first_label[id(grad)]} and {label} are the same tensor (of shape "
                 f"{tuple(grad.shape)}), which would be {use} twice: give each grad once"
             )
         first_label[id(grad)] = label
+    return None
 
 
-def _check_grads_by_group(grads_by_group: GradsByGroup) -> None:
-    """:func:`_check_grads` over every group's list: a tensor under two groups is counted twice."""
+def _kinds_by_group_checked(grads_by_group: GradsByGroup) -> dict[GroupKey, Kinds]:
+    """Each group's grads by kind, checked over every group's list at once (:func:`_kinds_checked`).
+
+    At once: a tensor under two groups would be counted twice."""
     labelled = (
         (f"grads_by_group[{_group_label(group)}][{index}]", grad)
         for group, grads in grads_by_group.items()
         for index, grad in enumerate(grads)
     )
-    _check_grads(list(chain.from_iterable(grads_by_group.values())), labelled, "counted")
+    kinds = _kinds_checked(list(grads_by_group.values()), labelled, "counted")
+    return dict(zip(grads_by_group, kinds, strict=True))
 
 
 def _group_label(group: dist.ProcessGroup | None) -> str:
@@ -86,13 +110,15 @@ def _group_label(group: dist.ProcessGroup | None) -> str:
     return f"<group of ranks {dist.get_process_group_ranks(group)}>"
 
 
-def _shares_of_groups(grads_by_group: GradsByGroup, wanted: Wanted) -> Shares:
+def _shares_of_groups(
+    grads_by_group: GradsByGroup, kinds_by_group: dict[GroupKey, Kinds], wanted: Wanted
+) -> Shares:
     device = reduction_device(
         (grad for grads in grads_by_group.values() for grad in grads), grads_by_group
     )
     shares = Shares(wanted, device, grads_by_group)
-    for group, grads in grads_by_group.items():
-        add_parts(shares, group, grads)
+    for group, kinds in kinds_by_group.items():
+        add_parts(shares, group, kinds)
     return shares
 
 
@@ -125,11 +151,10 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
         grads = classify_grads(model.parameters(), groups)
         norm = norm_of_grads(grads)
     """
-
-    _check_grads_by_group(grads_by_group)
+    kinds_by_group = _kinds_by_group_checked(grads_by_group)
 
     def read_shares(wanted: Wanted) -> Shares:
-        return _shares_of_groups(grads_by_group, wanted)
+        return _shares_of_groups(grads_by_group, kinds_by_group, wanted)
 
     return reduce_shares(read_shares(Wanted.of(norm_type, zeros=False)), reread=read_shares).norm
 
@@ -146,8 +171,10 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     Raises:
         ValueError, TypeError: as :func:`norm_of_grads`.
     """
-    _check_grads_by_group(grads_by_group)
-    zeros = reduce_shares(_shares_of_groups(grads_by_group, Wanted.zeros_only())).zeros
+    kinds_by_group = _kinds_by_group_checked(grads_by_group)
+    zeros = reduce_shares(
+        _shares_of_groups(grads_by_group, kinds_by_group, Wanted.zeros_only())
+    ).zeros
     assert zeros is not None
     return zeros
 
@@ -195,11 +222,12 @@ def clip_grads_(
         clip_grads_([p.grad for p in model.parameters()], 1.0, norm)
     """
     check_max_norm(max_norm)
-    _check_grads(list(grads), ((f"grads[{i}]", grad) for i, grad in enumerate(grads)), "scaled")
+    named = ((f"grads[{i}]", grad) for i, grad in enumerate(grads))
+    (kinds,) = _kinds_checked([list(grads)], named, "scaled")
     norm = total_norm_as_tensor(total_norm, grads[0].device if grads else None)
     check_finite(norm, error_if_nonfinite)
     coeff = clip_coefficient(max_norm, norm)
-    scale_grads_(grads, coeff)
+    _scale_kinds_(kinds, coeff)
     return coeff.to(torch.float32)
 
 
@@ -222,5 +250,10 @@ def scale_grads_(
 
     ``coeff`` is 0-dim, at most 1; or clipping's, which the one-read kernel makes on the device from
     the norm."""
-    for same_kind in by_kind(grads).values():
+    _scale_kinds_(by_kind(grads), coeff)
+
+
+def _scale_kinds_(kinds: Kinds, coeff: torch.Tensor | Clipping) -> None:
+    """Multiply the tensors of each kind in place by ``coeff`` (:func:`scale_grads_`)."""
+    for same_kind in kinds.values():
         scale_kind(same_kind, None, coeff)

@@ -16,7 +16,7 @@ Each (device, dtype) *kind* of a list is read by one route:
   over a long block loses precision), in the accumulation dtype
   (:func:`~pgregistry.grad_stats._reductions.accumulates_in`), except that the 1- and 2-norm of
   grads narrower than float64 are summed in float32 first and read again in float64 only where that
-  sum over- or underflowed (:func:`sums_float32_first`, :func:`float32_share_holds`). The extra
+  sum over- or underflowed (:class:`HostNormSum`, the rule's one home). The extra
   memory is one block, whatever the grads' size;
 * otherwise (CUDA float64, norms other than 2 without the kernel): ``torch._foreach_norm``.
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import operator
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import accumulate, compress
 from typing import Final, cast
@@ -66,6 +66,7 @@ __all__ = [
     "HOST_NORM_BLOCK",
     "HOST_ROW",
     "HOST_SMALL",
+    "HostNormSum",
     "KindPlan",
     "add_parts",
     "by_kind",
@@ -272,33 +273,20 @@ def _host_part(
     alone in its block is read in place. The 2-norm of float64 grads by range
     (:func:`~pgregistry.grad_stats._reductions.squares_by_range`); the 1- and 2-norm of narrower
     grads summed in float32 first, read again in float64 where that sum does not hold
-    (:func:`float32_share_holds`)."""
-    ranged = wanted.ranged and makes_norm_float64(plan.dtype)
-    accumulate_in = accumulates_in(plan.dtype, wanted.p)
-    float32_first = sums_float32_first(plan.dtype, wanted.p)
-    norms: list[torch.Tensor] = []
+    (:class:`HostNormSum`)."""
+    norm_sum = HostNormSum(plan.dtype, wanted) if wanted.p is not None else None
     nonzeros: list[torch.Tensor] = []
     numel = 0
     for block in _blocks_of(tensors, plan):
         numel += block.numel()
         if not block.numel():
             continue
-        if ranged:
-            norms.append(squares_by_range([block], HOST_BLOCK))
-        elif wanted.p is not None:
-            norms.append(
-                host_share(block, wanted.p, torch.float32 if float32_first else accumulate_in)
-            )
+        if norm_sum is not None:
+            norm_sum.add(block)
         if wanted.zeros:
             nonzeros.append(_host_nonzero(block))
-    share = zeros = None
-    if wanted.p is not None and norms:
-        share = _combine_shares(norms, wanted.p)
-        if float32_first and not float32_share_holds(share, numel):
-            blocks = (block for block in _blocks_of(tensors, plan) if block.numel())
-            share = _combine_shares(
-                [host_share(b, wanted.p, accumulate_in) for b in blocks], wanted.p
-            )
+    zeros = None
+    share = norm_sum.total(lambda: _blocks_of(tensors, plan)) if norm_sum is not None else None
     if wanted.zeros:
         counted = (
             torch.stack(nonzeros).sum().to(torch.float64)
@@ -322,8 +310,67 @@ def _blocks_of(tensors: Sequence[torch.Tensor], plan: KindPlan) -> Iterator[torc
             yield torch.cat(pieces) if pieces[0].dim() else torch.stack(pieces)
 
 
+class HostNormSum:
+    """The host's ``sum |g|^p`` (``max |g|`` for the inf-norm) of one dtype's grads, block by block.
+
+    Each block read as it is added (:meth:`add`), so a caller reads its other statistics from the
+    same block while it is in the cache (:func:`_host_part`'s zero count); :meth:`total` combines
+    them. Float64 grads' 2-norm by range
+    (:func:`~pgregistry.grad_stats._reductions.squares_by_range`); the 1- and 2-norm of narrower
+    grads summed in float32 first (:func:`sums_float32_first`), and where that sum does not hold
+    (:func:`float32_share_holds`) every block read again in float64 (the one place the host reads
+    twice); others in their accumulation dtype
+    (:func:`~pgregistry.grad_stats._reductions.accumulates_in`). The one home of the host's float32
+    first rule: the lists' kinds and the optimizer's flat buffer (``optim/_grad_buffer``) both sum
+    through it."""
+
+    def __init__(self, dtype: torch.dtype, wanted: Wanted) -> None:
+        assert wanted.p is not None
+        self._p = wanted.p
+        self._ranged = wanted.ranged and makes_norm_float64(dtype)
+        self._accumulate_in = accumulates_in(dtype, wanted.p)
+        self._float32_first = sums_float32_first(dtype, wanted.p)
+        self._shares: list[torch.Tensor] = []
+        self._numel = 0
+
+    @classmethod
+    def of_tensor(cls, tensor: torch.Tensor, wanted: Wanted) -> torch.Tensor:
+        """The sum over one host tensor, read as one block (0 for no element)."""
+        norm_sum = cls(tensor.dtype, wanted)
+        norm_sum.add(tensor)
+        total = norm_sum.total(lambda: [tensor])
+        assert total is not None
+        return total
+
+    def add(self, block: torch.Tensor) -> None:
+        """Read ``block`` (a host tensor of the dtype) into the sum."""
+        self._numel += block.numel()
+        if self._ranged:
+            self._shares.append(squares_by_range([block], HOST_BLOCK))
+        else:
+            first = torch.float32 if self._float32_first else self._accumulate_in
+            self._shares.append(host_share(block, self._p, first))
+
+    def total(self, blocks_again: Callable[[], Iterable[torch.Tensor]]) -> torch.Tensor | None:
+        """The sum of the blocks added, ``None`` for none.
+
+        0-dim float64 (a range vector for squares by range); ``blocks_again`` gives the blocks anew
+        for the float64 read, called only where the float32 sum does not hold."""
+        if not self._shares:
+            return None
+        share = _combine_shares(self._shares, self._p)
+        if self._float32_first and not float32_share_holds(share, self._numel):
+            again = [
+                host_share(b, self._p, self._accumulate_in) for b in blocks_again() if b.numel()
+            ]
+            share = _combine_shares(again, self._p)
+        return share
+
+
 def _combine_shares(shares: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """Shares of ``sum |x|^p`` (or ``max |x|``, or squares by range) combined into one."""
+    if len(shares) == 1:
+        return shares[0]
     stacked = torch.stack(list(shares))
     return stacked.amax() if math.isinf(p) else stacked.sum(0)
 
@@ -462,10 +509,14 @@ def share_over_divisor(
 
 
 def _kind_parts(
-    grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
+    kinds: Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+    wanted: Wanted,
+    device: torch.device,
 ) -> Iterator[tuple[torch.dtype, list[torch.Tensor]]]:
-    """Each kind's dtype and parts, one read per kind, planned afresh."""
-    for (kind_device, dtype), same_kind in by_kind(grads).items():
+    """Each kind's dtype and parts, one read per kind, planned afresh.
+
+    ``kinds`` as :func:`by_kind` gives them."""
+    for (kind_device, dtype), same_kind in kinds.items():
         yield dtype, read_kind(same_kind, plan_kind(same_kind, kind_device, dtype), wanted, device)
 
 
@@ -473,12 +524,18 @@ def parts_of(
     grads: Sequence[torch.Tensor], wanted: Wanted, device: torch.device
 ) -> list[torch.Tensor]:
     """The parts of ``grads`` (any device, dtype; plain tensors), a read per kind, planned anew."""
-    return [part for _, parts in _kind_parts(grads, wanted, device) for part in parts]
+    return [part for _, parts in _kind_parts(by_kind(grads), wanted, device) for part in parts]
 
 
-def add_parts(shares: Shares, group: GroupKey, grads: Sequence[torch.Tensor]) -> None:
-    """Add ``grads``' parts (:func:`parts_of`) to ``shares`` under ``group``, noting dtypes."""
-    for dtype, parts in _kind_parts(grads, shares.wanted, shares.device):
+def add_parts(
+    shares: Shares,
+    group: GroupKey,
+    kinds: Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+) -> None:
+    """Add the parts of grads grouped by kind to ``shares`` under ``group``, noting dtypes.
+
+    ``kinds`` as :func:`by_kind` gives them."""
+    for dtype, parts in _kind_parts(kinds, shares.wanted, shares.device):
         shares.widen(dtype)
         for part in parts:
             shares.add(group, part)

@@ -43,18 +43,14 @@ from pgregistry._runtime.agreement import (
     verdict_of,
 )
 from pgregistry._runtime.communicators import span_text
-from pgregistry._runtime.resolve import (
-    ParamsLike,
-    normalise_params,
-    resolve_pg_collection,
-    source_of,
-)
+from pgregistry._runtime.resolve import ParamsLike, normalise_params, source_of
 from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
 from pgregistry.grad_stats import count_zeros as module_count_zeros
 from pgregistry.grad_stats import grad_norm as module_grad_norm
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
+from pgregistry.grad_stats._functional import CheckedPlan, check_plan, reduce_checked
 from pgregistry.grad_stats._lists import check_finite
-from pgregistry.grad_stats._plan import check_or_make_plan
+from pgregistry.grad_stats._reductions import Wanted
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
@@ -104,10 +100,10 @@ def grad_norm(
         norm = grad_norm({name: models[name] for name in modules.here()}, modules)
     """
     owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
-    given = _agree_on_models(
+    given, checked = _agree_on_models(
         models, modules, owner, options, extra_error=norm_type_error(norm_type)
     )
-    return _job_grad_norm(given, modules, norm_type, owner, options)
+    return _job_grad_norm(given, checked, modules, norm_type, owner, options)
 
 
 def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection) -> int:
@@ -131,10 +127,16 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
         zeros = count_zeros(models_here, modules)
     """
     owner = "pgregistry.modules.count_zeros"
-    given = _agree_on_models(models, modules, owner, {})
-    zeros, fault = module_values(
-        given, lambda name, model: module_count_zeros(model, modules[name])
-    )
+    given, checked = _agree_on_models(models, modules, owner, {})
+
+    def module_zeros(name: str, model: ParamsLike) -> torch.Tensor | int:
+        if name in checked:
+            zeros = reduce_checked(checked[name], "count_zeros", Wanted.zeros_only()).zeros
+            assert zeros is not None
+            return zeros
+        return module_count_zeros(model, modules[name])
+
+    zeros, fault = module_values(given, module_zeros)
     _, total = reduce_over_modules(list(modules), zeros=zeros, check=(owner, {}, fault))
     assert total is not None
     return total
@@ -186,8 +188,8 @@ def clip_grad_norm_(
         )
     bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
-    given = _agree_on_models(models, modules, owner, options, extra_error=bad)
-    total = _job_grad_norm(given, modules, norm_type, owner, options)
+    given, checked = _agree_on_models(models, modules, owner, options, extra_error=bad)
+    total = _job_grad_norm(given, checked, modules, norm_type, owner, options)
     grads = [grad for model in given.values() for grad in _local_grads(model)]
     clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
     return total
@@ -195,6 +197,7 @@ def clip_grad_norm_(
 
 def _job_grad_norm(
     given: Mapping[str, ParamsLike],
+    checked: Mapping[str, CheckedPlan],
     modules: MultiModuleCollection,
     norm_type: float,
     owner: str,
@@ -202,12 +205,18 @@ def _job_grad_norm(
 ) -> torch.Tensor:
     """The job-wide ``norm_type``-norm of the grads of ``given``, the models this rank runs.
 
-    A module's statistic that refuses its model is raised on every rank, as ``owner``'s called with
-    ``options`` (:func:`module_values`)."""
+    A module whose kept plan was checked already (``checked``, :func:`_agree_on_models`) is read
+    from it, the others by :func:`pgregistry.grad_stats.grad_norm`. A module's statistic that
+    refuses its model is raised on every rank, as ``owner``'s called with ``options``
+    (:func:`module_values`)."""
     p = float(norm_type)
-    norms, fault = module_values(
-        given, lambda name, model: module_grad_norm(model, modules[name], norm_type=p)
-    )
+
+    def module_norm(name: str, model: ParamsLike) -> torch.Tensor:
+        if name in checked:
+            return reduce_checked(checked[name], "grad_norm", Wanted.of(p, zeros=False)).norm
+        return module_grad_norm(model, modules[name], norm_type=p)
+
+    norms, fault = module_values(given, module_norm)
     total, _ = reduce_over_modules(
         list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
     )
@@ -430,11 +439,15 @@ def _agree_on_models(
     options: Mapping[str, str],
     *,
     extra_error: Fault = None,
-) -> dict[str, ParamsLike]:
+) -> tuple[dict[str, ParamsLike], dict[str, CheckedPlan]]:
     """The models of the modules this rank runs, once every rank agreed and none found a fault.
 
     Every rank agrees on the modules and options
-    (``pgregistry._runtime.agreement.check_agreement``)."""
+    (``pgregistry._runtime.agreement.check_agreement``). With the models, by module name, the kept
+    plans checked for the refusal of a tensor in two modules' models
+    (:func:`_check_plans_and_shared_tensors`): each module's statistic reads from its plan so
+    checked, not checking it again; none where this rank runs fewer than two modules (each statistic
+    then checks its own)."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
@@ -446,47 +459,49 @@ def _agree_on_models(
         check_expert_classification(model, collection)
 
     given, error = check_models(models, modules, owner, statistics_accept)
+    checked: dict[str, CheckedPlan] = {}
     if error is None:
-        error = _tensor_in_two_modules(given, modules, owner)
+        checked, error = _check_plans_and_shared_tensors(given, modules, owner)
     fields = {**describe_modules(modules), **options}
     check_agreement(owner, fields, combine_faults(extra_error, error), advice=MODULES_ADVICE)
-    return given
+    return given, checked
 
 
-def _tensor_in_two_modules(
+def _check_plans_and_shared_tensors(
     given: Mapping[str, ParamsLike], modules: MultiModuleCollection, owner: str
-) -> str | None:
-    """Why the models of the modules this rank runs cannot be counted apart, or ``None``.
+) -> tuple[dict[str, CheckedPlan], str | None]:
+    """Each model's kept plan checked, by module name, and why the models overlap (or ``None``).
 
     A tensor in the models of two modules (a layer shared by two colocated modules, one model given
     for both) was counted in each module's statistic, and clipped once per module: a job-wide norm
     of ``sqrt(10)`` for the ``sqrt(6)`` of the distinct grads, the shared grad scaled by the square
     of the coefficient. Only a rank running several modules can hold one; it reads each model's
-    parameters from its kept plan (:func:`~pgregistry.grad_stats._plan.check_or_make_plan`, which
-    the statistic then reuses: no walk of the model per call) and compares their ids at C speed.
-    Local: the caller agrees on the answer."""
+    parameters from its kept plan, checked (:func:`~pgregistry.grad_stats._functional.check_plan`;
+    no walk of the model per call), and compares their ids at C speed. Each module's statistic then
+    reads from the plan checked here (:func:`~pgregistry.grad_stats._functional.reduce_checked`),
+    not checking it again: one check a plan a call. No plans (and ``None``) where this rank runs
+    fewer than two modules, or on a fault. Local: the caller agrees on the answer."""
+    checked: dict[str, CheckedPlan] = {}
     if len(given) < 2:
-        return None
+        return checked, None
     holder: dict[int, str] = {}
     for name, model in given.items():
         try:
-            source = source_of(model)
-            collection = resolve_pg_collection(modules[name], source.chunks, owner=owner)
-            plan, params, _ = check_or_make_plan(source, collection, owner)
+            checked[name] = check_plan(source_of(model), modules[name], owner)
         except (ValueError, TypeError, RuntimeError) as exc:
-            return f"module {name!r}: {exc}"
-        ids = list(map(id, params))
+            return {}, f"module {name!r}: {exc}"
+        plan, ids = checked[name].plan, list(map(id, checked[name].params))
         shared = holder.keys() & ids
         if shared:
             position = next(i for i, tensor_id in enumerate(ids) if tensor_id in shared)
-            return (
+            return {}, (
                 f"parameter {plan.names[position]!r} of module {name!r} is also in the model of "
                 f"module {holder[ids[position]]!r} on this rank: a tensor in two modules' models "
                 "would be counted in both modules' statistics and clipped once per module; give it "
                 "to one module's model only, or give each module its own copy"
             )
         holder.update(zip(ids, repeat(name)))
-    return None
+    return checked, None
 
 
 def _local_grads(model: ParamsLike) -> list[torch.Tensor]:

@@ -34,8 +34,8 @@ the parameter count:
   statistics walk blocks: the norm reduces rows of :data:`HOST_ROW` elements a block at a time
   and accumulates them in float64 (:func:`~pgregistry.grad_stats._local.host_share`): the
   rows in float32, for the 1- and 2-norm of narrower grads first in float32 and again in float64
-  where that sum over- or underflowed
-  (:func:`~pgregistry.grad_stats._local.float32_share_holds`), in float64 for float64 grads; the
+  where that sum over- or underflowed, as the lists' host reads do
+  (:class:`~pgregistry.grad_stats._local.HostNormSum`), in float64 for float64 grads; the
   zero count compares :data:`HOST_BLOCK` elements at a time into one reused mask.
   The extra memory stays bounded by a block, whatever the buffer's size.
 
@@ -68,10 +68,9 @@ from pgregistry.grad_stats._fused import (
 from pgregistry.grad_stats._local import (
     HOST_BLOCK,
     HOST_ROW,
-    float32_share_holds,
+    HostNormSum,
     host_share,
     share_over_divisor,
-    sums_float32_first,
 )
 from pgregistry.grad_stats._reductions import (
     Reduced,
@@ -339,15 +338,13 @@ def _norm_share(view: torch.Tensor, wanted: Wanted) -> torch.Tensor:
     assert p is not None
     if wanted.divisor is not None:
         return share_over_divisor([view], p, wanted.divisor)
+    if view.device.type == "cpu":  # float32 first where that is exact, as the lists' host reads
+        return HostNormSum.of_tensor(view, wanted)
     if wanted.ranged and view.dtype == torch.float64:
         return squares_by_range([view], HOST_BLOCK)
     if view.device.type == "cuda":  # torch's multi-tensor norm casts each element as it reads it
         (norm,) = torch._foreach_norm([view], p, dtype=accumulates_in(view.dtype, p))
         return norm.to(torch.float64) if math.isinf(p) else norm.to(torch.float64).pow(p)
-    if view.device.type == "cpu" and sums_float32_first(view.dtype, p):
-        share = host_share(view, p, torch.float32)
-        if float32_share_holds(share, view.numel()):
-            return share
     return host_share(view, p, accumulates_in(view.dtype, p))
 
 

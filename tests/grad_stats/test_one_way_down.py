@@ -73,3 +73,37 @@ def test_a_call_resolves_once_and_never_climbs_back(entry: str) -> None:
         resolved = [step for step in entered if step.endswith("> _runtime.resolve.resolve_pg_collection")]
         assert resolved == ["grad_stats._functional > _runtime.resolve.resolve_pg_collection"], (entry, which, entered)
         assert not reentries, (entry, which, reentries)
+
+
+def _modules_routes() -> dict[str, tuple[list[str], list[str]]]:
+    """Each job-wide statistic's checks of a kept plan, and its re-entries, over two colocated modules (the
+    plans kept: the second call of each)."""
+    from pgregistry import modules as mm
+    from pgregistry.layout import ParallelLayout
+
+    modules = mm.build_modules({"a": ParallelLayout(num_ranks=1), "b": ParallelLayout(num_ranks=1)})
+    models = {name: nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)) for name in modules}
+    for model in models.values():
+        model(torch.randn(5, 4)).sum().backward()
+    calls: dict[str, Callable[[], Any]] = {
+        "grad_norm": lambda: mm.grad_norm(models, modules),
+        "count_zeros": lambda: mm.count_zeros(models, modules),
+        "clip_grad_norm_": lambda: mm.clip_grad_norm_(models, 0.5, modules),
+    }
+    routes = {}
+    for label, call in calls.items():
+        call()
+        entered, reentries = _route(call)
+        routes[label] = ([step for step in entered if step.endswith(".check_or_make_plan")], reentries)
+    return routes
+
+
+def test_a_job_wide_statistic_checks_each_modules_plan_once() -> None:
+    """``pgregistry.modules``' statistics check each module's kept plan once a call: the refusal of a tensor in two
+    modules' models checks them and hands them down (each module's statistic checked its plan again before)."""
+    from pgregistry.testing import run_world
+
+    (routes,) = run_world(1, _modules_routes, timeout=60)
+    for label, (checks, reentries) in routes.items():
+        assert checks == ["grad_stats._functional > grad_stats._plan.check_or_make_plan"] * 2, (label, checks)
+        assert not reentries, (label, reentries)
