@@ -1771,6 +1771,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_parameters_on_the_meta_device_are_refused_on_every_rank_not_stepped_as_nothing",),
     ),
+    Mutant(
+        name="optimizer-read-after-a-later-one-took-its-grads",
+        bug="a second optimizer built over the same parameters takes their grads into its buffer, and the first "
+        "one's norm reads 0.0 (2.83 is right) and its step moves nothing, without a word",
+        file="pgregistry/optim/_base.py",
+        find="        earlier._give_up_grad_home(param)\n",
+        replace="        pass\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_an_optimizer_whose_parameters_a_later_one_took_is_refused_not_read_as_zero_grads",),
+    ),
 )
 
 

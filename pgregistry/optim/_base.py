@@ -35,10 +35,12 @@ refuses.
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry.collection import UNSET, group_size
@@ -244,6 +246,8 @@ class FlatOptimizer(OptimizerStatistics):
         self._reduce_keys: tuple[GroupKey, ...] = ()
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._moved: list[tuple[torch.Tensor, int]] = []
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._taken_over: str | None = None
 
     # --------------------------------------------------------------------------------------- naming
 
@@ -264,6 +268,7 @@ class FlatOptimizer(OptimizerStatistics):
         ``.grad`` in place, or ``.main_grad`` and a hook.
         """
         for param, view in zip(params, views, strict=True):
+            _take_grad_home(param, self)
             param.main_grad = view  # type: ignore[attr-defined]
             if param.dtype == view.dtype:
                 if param.grad is not None:
@@ -274,7 +279,31 @@ class FlatOptimizer(OptimizerStatistics):
             if param.grad is not None:
                 view.copy_(param.grad)
                 param.grad = None
-            param.register_post_accumulate_grad_hook(_accumulate_into(view))
+            self._hooks[id(param)] = param.register_post_accumulate_grad_hook(
+                _accumulate_into(view)
+            )
+
+    def _give_up_grad_home(self, param: torch.Tensor) -> None:
+        """A later optimizer took ``param``'s grad: drop this one's hook on it, and refuse use.
+
+        Its buffer would read zero grads (a norm of 0) and step nothing, and its hook would take
+        the grad before the later optimizer's (which then failed in the backward pass)."""
+        hook = self._hooks.pop(id(param), None)
+        if hook is not None:
+            hook.remove()
+        if self._taken_over is None:
+            self._taken_over = self.param_name(param)
+
+    def _check_not_taken_over(self) -> None:
+        """Refuse use once a later optimizer took a parameter's grad (see _give_up_grad_home)."""
+        if self._taken_over is not None:
+            raise RuntimeError(
+                f"{self._taken_over} of this {type(self).__name__} was given to another "
+                "optimizer built after it, whose grad buffer now receives its grads: this one "
+                "would read zero grads (a norm of 0) and step nothing. Use the newer optimizer "
+                "(new.load_state_dict(old.state_dict()) carries the state over), or give each "
+                "parameter to one optimizer only"
+            )
 
     def _move_data(self, param: torch.Tensor, view: torch.Tensor) -> None:
         """Copy ``param`` into ``view`` and make ``view`` its data.
@@ -290,8 +319,10 @@ class FlatOptimizer(OptimizerStatistics):
     def _check_attached(self) -> None:
         """Refuse grads detached from the grad buffer.
 
-        Also parameters whose data left this optimizer's buffers.
+        Also parameters whose data left this optimizer's buffers, or whose grads a later optimizer
+        took.
         """
+        self._check_not_taken_over()
         for param, view in self._direct:
             if param.grad is not view:
                 raise RuntimeError(
@@ -385,7 +416,9 @@ class FlatOptimizer(OptimizerStatistics):
     def local_shares(self, shares: Shares) -> None:
         """Add this optimizer's groups and its spans' parts to ``shares``.
 
-        Every group is added, even one with nothing counted here."""
+        Every group is added, even one with nothing counted here. Refused once a later optimizer
+        took a parameter's grad (its spans would read zeros)."""
+        self._check_not_taken_over()
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
@@ -402,6 +435,7 @@ class FlatOptimizer(OptimizerStatistics):
 
     def zero_grad(self) -> None:
         """Zero every grad at once (the buffer); grads stay views of it."""
+        self._check_not_taken_over()
         self.buffer.data.zero_()
 
     @property
@@ -489,6 +523,25 @@ class FlatOptimizer(OptimizerStatistics):
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Load ``state``, which has no :meth:`param_state_faults`."""
+
+
+_GRAD_HOMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Parameter -> a weak reference to the flat optimizer whose grad buffer holds its grad."""
+
+
+def _take_grad_home(param: torch.Tensor, optimizer: FlatOptimizer) -> None:
+    """Record ``optimizer`` as the home of ``param``'s grad; an earlier live one gives it up.
+
+    Building a second optimizer over a parameter moves its grad into the new buffer (as a rebuild,
+    or :func:`~pgregistry.recovery.carry_optimizer_state`, does on purpose), so the earlier one
+    must not be used any more. Kept beside the parameter, not on it: a weak reference on the
+    parameter would not pickle with ``torch.save(model)``, and one copied by ``copy.deepcopy``
+    would name the original's optimizer."""
+    earlier_ref = _GRAD_HOMES.get(param)
+    earlier = earlier_ref() if earlier_ref is not None else None
+    if earlier is not None and earlier is not optimizer:
+        earlier._give_up_grad_home(param)
+    _GRAD_HOMES[param] = weakref.ref(optimizer)
 
 
 def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -377,3 +377,34 @@ def test_parameters_on_the_meta_device_are_refused_on_every_rank_not_stepped_as_
     for message in run_world(2, _meta_model_refusal, timeout=60):
         assert message.startswith("parameter 'weight' is on the meta device"), message
         assert "to_empty" in message and "before building the optimizer" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_an_optimizer_whose_parameters_a_later_one_took_is_refused_not_read_as_zero_grads(
+    kind: type, dtype: torch.dtype
+) -> None:
+    """A second optimizer over the same parameters moves their grads into its own buffer: the first one's norm
+    read 0.0 (2.83 is right) and its step moved nothing; over bf16 parameters the first one's grad hook took each
+    grad, and the backward pass failed in the second one's (``add_(): argument 'other' ... not NoneType``)."""
+    model = _linear(dtype)
+    oracle = copy.deepcopy(model).double()
+    earlier = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    later = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    model(torch.ones(1, 3, dtype=dtype)).sum().backward()
+    oracle(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in oracle.parameters()]).norm()
+    assert float(later.get_grad_norm()) == pytest.approx(float(expected), rel=1e-6)
+    before = [p.detach().clone() for p in model.parameters()]
+    taken = rf"param\[0\] of this {kind.__name__} was given to another optimizer built after it"
+    for use in ("get_grad_norm", "count_zeros", "sync_grads", "step", "zero_grad"):
+        with pytest.raises(RuntimeError, match=taken):
+            getattr(earlier, use)()
+    with pytest.raises(RuntimeError, match=taken):
+        earlier.clip_grad_norm(1.0)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    earlier.state_dict()  # what carrying the state over reads
+    later.step()
+    for param, reference, start in zip(model.parameters(), oracle.parameters(), before, strict=True):
+        stepped = (start.double() - 0.5 * reference.grad).to(dtype)  # torch's SGD, rounded as the model
+        assert torch.equal(param.detach(), stepped), (param, stepped)
