@@ -393,15 +393,18 @@ def _check_new_world_options(backend: object, timeout: object) -> None:
 
 
 def _as_ranks(lost: Iterable[int]) -> list[int]:
-    """The ranks of ``lost`` as a list of ints; ``TypeError`` for anything else.
+    """The ranks of ``lost`` as ints (integers of any type); ``TypeError`` for anything else.
 
     Their range is the verdict's to check, so that every survivor raises it alike."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks or None, got {type(lost).__name__}")
+    from pgregistry._runtime.integers import plain_int
+
     out = []
-    for rank in lost:
+    for given in lost:
+        rank = plain_int(given)  # a launcher's np.int64(3) is rank 3
         if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"lost rank must be an integer, got {rank!r} ({type(rank).__name__})")
+            raise TypeError(f"lost rank must be an integer, got {given!r} ({type(given).__name__})")
         out.append(rank)
     return out
 

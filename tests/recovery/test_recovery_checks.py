@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from pgregistry.testing import run_world
@@ -91,6 +92,10 @@ def _bad_arguments() -> list[str]:
             call()  # type: ignore[arg-type]
         except (TypeError, ValueError) as error:
             out.append(f"{type(error).__name__}: {error}")
+    try:
+        recover(pg, store, committed_step=3, lost=[np.int64(0)])
+    except RuntimeError as error:  # refused as no integer before: "lost rank must be an integer, got np.int64(0)"
+        out.append(f"{type(error).__name__}: {str(error).split(':')[0]}")
     out.append(f"world kept: {dist.is_initialized() and dist.get_world_size() == 1 and not pg.is_destroyed}")
     return out
 
@@ -117,5 +122,6 @@ def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
         ),
         "TypeError: carry_optimizer_state takes the optimizers build_optimizer returns (ChainedOptimizer); old is a "
         "SGD",
+        "RuntimeError: rank 0 called recover but is among the lost ranks [0] it was given",
         "world kept: True",
     ]
