@@ -1781,6 +1781,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_an_optimizer_whose_parameters_a_later_one_took_is_refused_not_read_as_zero_grads",),
     ),
+    Mutant(
+        name="composite-group-checked-by-size-alone",
+        bug="a collection assembled by hand with the dp group as mp (the size TP x PP gives, other ranks) is taken: "
+        "the norm sums the data-parallel replicas and misses the TP peer (7.07 and 16.97 for 13)",
+        file="pgregistry/collection.py",
+        find="        if group is not None:\n            _check_axes_inside(",
+        replace="        if False:\n            _check_axes_inside(",
+        tests=("tests/core/test_collection_checks.py::"
+               "test_a_composite_group_of_the_right_size_but_other_ranks_is_refused_instead_of_a_wrong_norm",),
+    ),
 )
 
 
