@@ -1791,6 +1791,15 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/core/test_collection_checks.py::"
                "test_a_composite_group_of_the_right_size_but_other_ranks_is_refused_instead_of_a_wrong_norm",),
     ),
+    Mutant(
+        name="parameters-tied-by-storage-untied",
+        bug="two Parameter objects over one tensor (a tie by storage) are copied each to its own place of the flat "
+        "buffer: untied without a word, each stepped by its own grad (0.5 and 0.0 where torch's SGD gives -0.5)",
+        file="pgregistry/optim/_base.py",
+        find="        _refuse_shared_memory(self.params, self.param_name)\n",
+        replace="",
+        tests=("tests/optim/test_optim_hostile_inputs.py::test_parameters_tied_by_storage_are_refused_not_untied",),
+    ),
 )
 
 

@@ -230,6 +230,7 @@ class FlatOptimizer(OptimizerStatistics):
             raise meta_tensor_error(
                 f"parameter {self.param_name(self.params[0])!r}", "building the optimizer"
             )
+        _refuse_shared_memory(self.params, self.param_name)
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(
                 f"{type(self).__name__} takes the groups "
@@ -523,6 +524,40 @@ class FlatOptimizer(OptimizerStatistics):
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Load ``state``, which has no :meth:`param_state_faults`."""
+
+
+def _refuse_shared_memory(params: Sequence[torch.Tensor], name_of: ParamNameFn) -> None:
+    """``ValueError`` naming two parameters whose memory overlaps (weights tied by storage).
+
+    Two ``Parameter`` objects over one tensor (``nn.Parameter(embedding.weight.detach())``) are one
+    weight to torch's optimizers, which step it in place through both. A flat optimizer copies each
+    parameter into its own place of its buffers and makes that its data: the two were untied without
+    a word, and each then moved by its own grad alone. Parameters that are disjoint views of one
+    storage (those of an optimizer built before) are fine. Byte ranges are compared, so views that
+    interleave (every other column of one matrix each) are read as overlapping."""
+    extents = []
+    for index, param in enumerate(params):
+        if param.numel() == 0:
+            continue
+        storage = param.untyped_storage()
+        size = param.element_size()
+        first = int(param.storage_offset()) * size
+        last = first + size * (
+            1 + sum((n - 1) * abs(st) for n, st in zip(param.shape, param.stride(), strict=True))
+        )
+        extents.append((storage.data_ptr(), first, last, index))
+    extents.sort()
+    reach: tuple[int, int, int] | None = None  # (storage, end, index) of the furthest extent so far
+    for storage_ptr, first, last, index in extents:
+        if reach is not None and reach[0] == storage_ptr and first < reach[1]:
+            raise ValueError(
+                f"{name_of(params[reach[2]])} and {name_of(params[index])} share memory (views of "
+                "one tensor, as nn.Parameter(other.detach()) makes): the optimizer keeps each in "
+                "its own place of a flat buffer, which would untie them, each then stepped by its "
+                "own grad alone; tie them as one Parameter (module.b = module.a, listed once)"
+            )
+        if reach is None or reach[0] != storage_ptr or last > reach[1]:
+            reach = (storage_ptr, last, index)
 
 
 _GRAD_HOMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
