@@ -528,12 +528,12 @@ def _check_axes_inside(
     Sizes alone pass a group of another kind that has the right size (the ``dp`` group given as
     ``mp`` at TP 2): a reduction over it then sums other ranks' grads and misses the axis's peers, a
     norm off on every rank (7.07 and 16.97 for 13)."""
-    known = _registered_ranks(group)
+    known = _global_ranks_or_none(group)
     if known is None:
         return
     held = set(known)
     for axis, value in axes.items():
-        ranks = None if value is None else _registered_ranks(cast("ProcessGroup", value))
+        ranks = None if value is None else _global_ranks_or_none(cast("ProcessGroup", value))
         outside = sorted(set(ranks or ()) - held)
         if ranks is not None and outside:
             raise ValueError(
@@ -719,7 +719,7 @@ def _ranks_of(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _registered_ranks(group: ProcessGroup) -> tuple[int, ...] | None:
+def _global_ranks_or_none(group: ProcessGroup) -> tuple[int, ...] | None:
     """The global ranks of ``group``; ``None`` for a group torch.distributed never registered.
 
     A ``ProcessGroup`` made directly (a test's stand-in, a library's own) has no ranks there."""
