@@ -1800,6 +1800,16 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="",
         tests=("tests/optim/test_optim_hostile_inputs.py::test_parameters_tied_by_storage_are_refused_not_untied",),
     ),
+    Mutant(
+        name="grads-overlapping-in-memory-counted-twice",
+        bug="grads that are views of one buffer sharing an element (offsets off by one) are read as distinct: a norm "
+        "of sqrt(41) for the buffer's 5, the shared element counted twice and scaled twice by a clip",
+        file="pgregistry/grad_stats/_plan.py",
+        find="        overlap = first_overlap([grads[index] for index in plain])\n        if overlap is not None:",
+        replace="        overlap = first_overlap([grads[index] for index in plain])\n        if False:",
+        tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
+               "test_grads_overlapping_in_memory_are_refused_not_counted_twice",),
+    ),
 )
 
 

@@ -43,6 +43,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.meta_tensors import meta_tensor_error
+from pgregistry._runtime.overlapping_tensors import first_overlap
 from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
 from pgregistry.grad_stats._functional import verdict_groups
@@ -533,31 +534,16 @@ def _refuse_shared_memory(params: Sequence[torch.Tensor], name_of: ParamNameFn) 
     weight to torch's optimizers, which step it in place through both. A flat optimizer copies each
     parameter into its own place of its buffers and makes that its data: the two were untied without
     a word, and each then moved by its own grad alone. Parameters that are disjoint views of one
-    storage (those of an optimizer built before) are fine. Byte ranges are compared, so views that
-    interleave (every other column of one matrix each) are read as overlapping."""
-    extents = []
-    for index, param in enumerate(params):
-        if param.numel() == 0:
-            continue
-        storage = param.untyped_storage()
-        size = param.element_size()
-        first = int(param.storage_offset()) * size
-        last = first + size * (
-            1 + sum((n - 1) * abs(st) for n, st in zip(param.shape, param.stride(), strict=True))
+    storage (those of an optimizer built before) are fine (:func:`first_overlap`)."""
+    overlap = first_overlap(params)
+    if overlap is not None:
+        first, second = (params[i] for i in overlap)
+        raise ValueError(
+            f"{name_of(first)} and {name_of(second)} share memory (views of one tensor, as "
+            "nn.Parameter(other.detach()) makes): the optimizer keeps each in its own place of a "
+            "flat buffer, which would untie them, each then stepped by its own grad alone; tie "
+            "them as one Parameter (module.b = module.a, listed once)"
         )
-        extents.append((storage.data_ptr(), first, last, index))
-    extents.sort()
-    reach: tuple[int, int, int] | None = None  # (storage, end, index) of the furthest extent so far
-    for storage_ptr, first, last, index in extents:
-        if reach is not None and reach[0] == storage_ptr and first < reach[1]:
-            raise ValueError(
-                f"{name_of(params[reach[2]])} and {name_of(params[index])} share memory (views of "
-                "one tensor, as nn.Parameter(other.detach()) makes): the optimizer keeps each in "
-                "its own place of a flat buffer, which would untie them, each then stepped by its "
-                "own grad alone; tie them as one Parameter (module.b = module.a, listed once)"
-            )
-        if reach is None or reach[0] != storage_ptr or last > reach[1]:
-            reach = (storage_ptr, last, index)
 
 
 _GRAD_HOMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
