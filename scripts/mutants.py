@@ -1810,6 +1810,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
                "test_grads_overlapping_in_memory_are_refused_not_counted_twice",),
     ),
+    Mutant(
+        name="one-state-dict-name-for-two-parameters",
+        bug="a param_name_fn giving two parameters one name is taken: the state dict, keyed by it, saves the second "
+        "one's main copy and state for both and loads it into both",
+        file="pgregistry/optim/_base.py",
+        find="        if param_name_fn is not None:\n            _refuse_one_name_for_two(",
+        replace="        if False:\n            _refuse_one_name_for_two(",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_a_param_name_fn_giving_two_parameters_one_name_is_refused_not_saved_as_one",),
+    ),
 )
 
 

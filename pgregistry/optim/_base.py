@@ -232,6 +232,8 @@ class FlatOptimizer(OptimizerStatistics):
                 f"parameter {self.param_name(self.params[0])!r}", "building the optimizer"
             )
         _refuse_shared_memory(self.params, self.param_name)
+        if param_name_fn is not None:
+            _refuse_one_name_for_two(self.params, param_name_fn)
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(
                 f"{type(self).__name__} takes the groups "
@@ -544,6 +546,25 @@ def _refuse_shared_memory(params: Sequence[torch.Tensor], name_of: ParamNameFn) 
             "flat buffer, which would untie them, each then stepped by its own grad alone; tie "
             "them as one Parameter (module.b = module.a, listed once)"
         )
+
+
+def _refuse_one_name_for_two(params: Sequence[torch.Tensor], name_of: ParamNameFn) -> None:
+    """``ValueError`` when ``name_of`` gives two parameters one name.
+
+    State dicts are keyed by these names: a ``param_name_fn`` giving every ``Linear`` the name
+    ``'weight'`` saved one parameter's main copy and state for both, and loaded it into both,
+    without a word."""
+    holders: dict[str, int] = {}
+    for index, param in enumerate(params):
+        name = name_of(param)
+        first = holders.setdefault(name, index)
+        if first != index:
+            raise ValueError(
+                f"param_name_fn names param[{first}] and param[{index}] both {name!r}: the "
+                "optimizer's state dict is keyed by these names, so it would hold one of the two "
+                "for both (and load it into both); give each parameter its own name "
+                "(pgregistry.experts.global_param_name_fn does)"
+            )
 
 
 _GRAD_HOMES: WeakIdKeyDictionary = WeakIdKeyDictionary()

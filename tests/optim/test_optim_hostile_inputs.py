@@ -441,3 +441,31 @@ def test_parameters_tied_by_storage_are_refused_not_untied() -> None:
     torch_sgd.step()
     assert torch.equal(tied.out.detach(), reference.out.detach()), (tied.out, reference.out)
     assert torch.equal(reference.emb.detach(), torch.full((4,), -0.5))
+
+
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_a_param_name_fn_giving_two_parameters_one_name_is_refused_not_saved_as_one(kind: type) -> None:
+    """State dicts are keyed by ``param_name_fn``: one name for two parameters saved the second's main copy (1.7)
+    for both, and a load gave it to the first too (0.9 is its own)."""
+
+    def two_parameters() -> list[nn.Parameter]:
+        return [nn.Parameter(torch.full((2,), value, dtype=torch.bfloat16)) for value in (1.0, 2.0)]
+
+    with pytest.raises(ValueError, match=r"param_name_fn names param\[0\] and param\[1\] both 'weight'"):
+        kind(two_parameters(), OFF, inner=inner_factory("sgd", lr=0.1), param_name_fn=lambda p: "weight")
+    params = two_parameters()
+    names = {id(param): f"layer{index}.weight" for index, param in enumerate(params)}
+    optimizer = kind(params, OFF, inner=inner_factory("sgd", lr=0.1), param_name_fn=lambda p: names[id(p)])
+    (params[0].float().sum() + 3 * params[1].float().sum()).backward()
+    optimizer.step()
+    fresh = two_parameters()
+    fresh_names = {id(param): f"layer{index}.weight" for index, param in enumerate(fresh)}
+    loaded = kind(fresh, OFF, inner=inner_factory("sgd", lr=0.1), param_name_fn=lambda p: fresh_names[id(p)])
+    loaded.load_state_dict(optimizer.state_dict())
+    expected = {"layer0.weight": 1.0 - 0.1 * 1.0, "layer1.weight": 2.0 - 0.1 * 3.0}  # SGD by hand, float64
+    saved = loaded.state_dict()
+    pieces = saved["main_params"] if kind is MixedPrecisionOptimizer else {
+        name: shard["main"] for name, shard in saved["shards"].items()
+    }
+    for name, value in expected.items():
+        assert pieces[name].tolist() == pytest.approx([value] * 2, rel=1e-6), (name, pieces[name])
