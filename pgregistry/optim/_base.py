@@ -164,10 +164,17 @@ class FlatOptimizer(OptimizerStatistics):
     Raises:
         ValueError: A parameter listed twice; a parameter of the other kind than ``expert`` says
             (named; give each kind its own optimizer, as ``build_optimizer`` does); a frozen one
-            (``requires_grad=False``, named); parameters on several devices.
+            (``requires_grad=False``, named); parameters on several devices; two parameters
+            whose memory overlaps (tied by storage, named); a ``param_name_fn`` giving two
+            parameters one name.
         TypeError: A parameter that is not a floating-point tensor (named), or groups not made by
             ``setup_process_groups_for_optimizer``; ``params`` a tensor or module (not an iterable
             of parameters), ``expert`` no bool, ``inner`` not callable.
+
+    An optimizer built later over one of its parameters takes that parameter's grads into its own
+    buffer (a rebuild does, on purpose): from then on this one's statistics, clipping,
+    ``sync_grads``, ``step`` and ``zero_grad`` raise ``RuntimeError`` naming the parameter; its
+    ``state_dict`` still reads (to carry the state over).
     """
 
     def __init__(
