@@ -38,9 +38,8 @@ def first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
             (tensor.untyped_storage().data_ptr(), first, first + size * (1 + reach), index)
         )
     extents.sort()
-    furthest: tuple[int, int, int] | None = (
-        None  # (storage, end, position) reaching furthest so far
-    )
+    # (storage, end, position) of the extent reaching furthest so far
+    furthest: tuple[int, int, int] | None = None
     for storage, first, last, index in extents:
         if furthest is not None and furthest[0] == storage and first < furthest[1]:
             return min(furthest[2], index), max(furthest[2], index)

@@ -581,11 +581,11 @@ _GRAD_HOMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def _take_grad_home(param: torch.Tensor, optimizer: FlatOptimizer) -> None:
     """Record ``optimizer`` as the home of ``param``'s grad; an earlier live one gives it up.
 
-    Building a second optimizer over a parameter moves its grad into the new buffer (as a rebuild,
-    or :func:`~pgregistry.recovery.carry_optimizer_state`, does on purpose), so the earlier one
-    must not be used any more. Kept beside the parameter, not on it: a weak reference on the
-    parameter would not pickle with ``torch.save(model)``, and one copied by ``copy.deepcopy``
-    would name the original's optimizer."""
+    Building a second optimizer over a parameter moves its grad into the new buffer (a rebuild does
+    so on purpose, as after a recovery before :func:`~pgregistry.recovery.carry_optimizer_state`),
+    so the earlier one must not be used any more. Kept beside the parameter, not on it: a weak
+    reference on the parameter would not pickle with ``torch.save(model)``, and one copied by
+    ``copy.deepcopy`` would name the original's optimizer."""
     earlier_ref = _GRAD_HOMES.get(param)
     earlier = earlier_ref() if earlier_ref is not None else None
     if earlier is not None and earlier is not optimizer:
