@@ -29,7 +29,8 @@ parameter of a mixed-precision optimizer gets ``param.main_grad`` (its float32 v
 post-accumulate hook that adds each new ``.grad`` into it and frees it. ``param.main_grad`` is set
 in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`: ``model.zero_grad()`` sets ``.grad``
 to ``None`` and detaches it from the buffer, which :meth:`FlatOptimizer.sync_grads` detects and
-refuses.
+refuses (every parameter looked at), and the statistics and the step too (the first parameter of
+each kind: a loop without ``sync_grads`` read a norm of 0 and stepped nothing).
 """
 
 from __future__ import annotations
@@ -327,21 +328,25 @@ class FlatOptimizer(OptimizerStatistics):
         param.data = view
         self._moved.append((param, view.data_ptr()))
 
-    def _check_attached(self) -> None:
+    def _check_attached(self, *, first_only: bool = False) -> None:
         """Refuse grads detached from the grad buffer.
 
         Also parameters whose data left this optimizer's buffers, or whose grads a later optimizer
-        took.
+        took. ``first_only``: look at the first parameter of each kind alone, a constant cost for
+        the statistics and the step (``model.zero_grad()`` and ``module.to()`` detach every
+        parameter, the first too); :meth:`sync_grads` looks at every one.
         """
         self._check_not_taken_over()
-        for param, view in self._direct:
+        direct = self._direct[:1] if first_only else self._direct
+        moved = self._moved[:1] if first_only else self._moved
+        for param, view in direct:
             if param.grad is not view:
                 raise RuntimeError(
                     f"{self.param_name(param)}.grad is no longer a view of the "
                     "optimizer's grad buffer (set to None by model.zero_grad() "
                     "or assigned?); zero grads with optimizer.zero_grad()"
                 )
-        for param, address in self._moved:
+        for param, address in moved:
             if param.data_ptr() != address:
                 raise RuntimeError(
                     f"{self.param_name(param)}.data is no longer the optimizer's view of "
@@ -428,8 +433,9 @@ class FlatOptimizer(OptimizerStatistics):
         """Add this optimizer's groups and its spans' parts to ``shares``.
 
         Every group is added, even one with nothing counted here. Refused once a later optimizer
-        took a parameter's grad (its spans would read zeros)."""
-        self._check_not_taken_over()
+        took a parameter's grad, or grads left the buffer (its spans would read zeros, or stale
+        grads)."""
+        self._check_attached(first_only=True)
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)

@@ -469,3 +469,33 @@ def test_a_param_name_fn_giving_two_parameters_one_name_is_refused_not_saved_as_
     }
     for name, value in expected.items():
         assert pieces[name].tolist() == pytest.approx([value] * 2, rel=1e-6), (name, pieces[name])
+
+
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_not_read_as_zeros(kind: type) -> None:
+    """``model.zero_grad()`` (torch's default sets ``.grad`` to None) detaches the grads from the flat buffer, which
+    only ``sync_grads`` looked for: a loop without it (one replica) read a norm of 0.0 (2.83 is right) and stepped
+    nothing, every step."""
+    model = _linear()
+    optimizer = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    before = [p.detach().clone() for p in model.parameters()]
+    model.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    detached = r"^weight.grad is no longer a view of the optimizer's grad buffer|^param\[0\].grad is no longer a view"
+    for use in ("get_grad_norm", "count_zeros", "step"):
+        with pytest.raises(RuntimeError, match=detached):
+            getattr(optimizer, use)()
+    with pytest.raises(RuntimeError, match=detached):
+        optimizer.clip_grad_norm(1.0)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    # Zeroed by the optimizer, the grads stay in its buffer: the norm and step are torch's.
+    model, reference = _linear(), _linear().double()
+    optimizer = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    optimizer.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    reference(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm()
+    assert float(optimizer.get_grad_norm()) == pytest.approx(float(expected), rel=1e-6)
+    optimizer.step()
+    for param, oracle in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(param.detach().double(), oracle.detach() - 0.5 * oracle.grad, atol=1e-6)
