@@ -480,8 +480,8 @@ def _check_fields(groups: Mapping[str, object]) -> None:
     """Refuse a field that is not a group, or a composite group whose size disagrees with its axes.
 
     ``TypeError`` for a field that is not a group, ``None``, UNSET or NOT_MEMBER; ``ValueError`` for
-    a composite group whose size disagrees with its axes. Imports nothing: a group exists only when
-    torch is already loaded."""
+    a composite group whose size disagrees with its axes, or that lacks a rank of an axis's group.
+    Imports nothing: a group exists only when torch is already loaded."""
     for name, value in groups.items():
         if name != "hcp":
             _check_group_type(name, value, allow_none=True)
@@ -513,6 +513,35 @@ def _check_fields(groups: Mapping[str, object]) -> None:
                 f"{described}, so its size must be {relation}{product}: a group set to "
                 f"None (off) on an axis {composite!r} spans, or a group of another layout, "
                 f"would make a reduction over {composite!r} count ranks twice or miss them"
+            )
+        if group is not None:
+            _check_axes_inside(
+                composite, cast("ProcessGroup", group), {axis: groups[axis] for axis in given}
+            )
+
+
+def _check_axes_inside(
+    composite: GroupName, group: ProcessGroup, axes: Mapping[str, object]
+) -> None:
+    """``ValueError`` when a group of one of ``composite``'s axes holds a rank ``group`` lacks.
+
+    Sizes alone pass a group of another kind that has the right size (the ``dp`` group given as
+    ``mp`` at TP 2): a reduction over it then sums other ranks' grads and misses the axis's peers, a
+    norm off on every rank (7.07 and 16.97 for 13)."""
+    known = _global_ranks_or_none(group)
+    if known is None:
+        return
+    held = set(known)
+    for axis, value in axes.items():
+        ranks = None if value is None else _global_ranks_or_none(cast("ProcessGroup", value))
+        outside = sorted(set(ranks or ()) - held)
+        if ranks is not None and outside:
+            raise ValueError(
+                f"process group {composite!r} holds ranks {sorted(held)}, but it spans the axis "
+                f"{axis!r}, whose group holds ranks {list(ranks)} (rank(s) {outside} not in "
+                f"{composite!r}): is it another kind's group of the same size? A reduction over "
+                f"{composite!r} would sum other ranks' grads and miss {axis!r}'s; give the group "
+                f"of {' x '.join(COMPOSITE_AXES[composite])} (pgregistry.build makes them)"
             )
 
 
@@ -688,6 +717,16 @@ def _ranks_of(group: ProcessGroup) -> tuple[int, ...]:
     import torch.distributed as dist
 
     return tuple(dist.get_process_group_ranks(group))
+
+
+def _global_ranks_or_none(group: ProcessGroup) -> tuple[int, ...] | None:
+    """The global ranks of ``group``; ``None`` for a group torch.distributed never registered.
+
+    A ``ProcessGroup`` made directly (a test's stand-in, a library's own) has no ranks there."""
+    try:
+        return _ranks_of(group)
+    except (KeyError, ValueError, RuntimeError):
+        return None
 
 
 def _this_rank() -> int | str:

@@ -251,7 +251,9 @@ def recover(
             from the last checkpoint).
         StoreLost: on every survivor when ``store`` stops answering (its host died; not survivable).
         ValueError: on every survivor alike, for lost ranks outside the world, survivors told
-            different lost sets, or a loss that leaves no copy of some state (reload a checkpoint).
+            different lost sets, or a loss that leaves no copy of some state (reload a checkpoint);
+            before this rank checks in, a ``wait``, ``timeout`` or ``backend`` the new world could
+            not use (``TypeError`` for one of the wrong type), so the old world is kept.
     """
     import torch.distributed as dist
 
@@ -281,6 +283,9 @@ def recover(
     # An infinite wait (lost=None) would wait for ever for a rank that never comes.
     if not isinstance(wait, int | float) or isinstance(wait, bool) or not 0 < wait < math.inf:
         raise ValueError(f"wait must be a positive, finite number of seconds, got {wait!r}")
+    # The new world is made after the old one is destroyed: options it would refuse then lose the
+    # job (and were reported as a survivor lost after the decision).
+    _check_new_world_options(backend, timeout)
     told = None if lost is None else _as_ranks(lost)
     if told is not None and old_rank in told:
         raise RuntimeError(
@@ -366,16 +371,40 @@ def recover(
     )
 
 
+def _check_new_world_options(backend: object, timeout: object) -> None:
+    """Refuse a ``backend`` or ``timeout`` the re-formed world could not be made with.
+
+    The checks of :func:`pgregistry.registry.build` (``TypeError``, ``ValueError``), and a backend
+    this torch does not have (``ValueError``), before this rank checks in."""
+    import torch.distributed as dist
+
+    from pgregistry._runtime.group_cache import GroupOptions
+
+    GroupOptions.of(backend, timeout)  # type: ignore[arg-type]
+    if isinstance(backend, str):
+        # "gloo", or per device "cpu:gloo,cuda:nccl"
+        names = [part.split(":")[-1].strip() for part in backend.split(",")]
+        missing = [name for name in names if not dist.is_backend_available(name)]
+        if missing:
+            raise ValueError(
+                f"backend {backend!r} names {missing}, which this torch cannot use here: give "
+                "one it has ('gloo'; 'nccl' with CUDA), or None for the old world's"
+            )
+
+
 def _as_ranks(lost: Iterable[int]) -> list[int]:
-    """The ranks of ``lost`` as a list of ints; ``TypeError`` for anything else.
+    """The ranks of ``lost`` as ints (integers of any type); ``TypeError`` for anything else.
 
     Their range is the verdict's to check, so that every survivor raises it alike."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks or None, got {type(lost).__name__}")
+    from pgregistry._runtime.integers import plain_int
+
     out = []
-    for rank in lost:
+    for given in lost:
+        rank = plain_int(given)  # a launcher's np.int64(3) is rank 3
         if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"lost rank must be an integer, got {rank!r} ({type(rank).__name__})")
+            raise TypeError(f"lost rank must be an integer, got {given!r} ({type(given).__name__})")
         out.append(rank)
     return out
 

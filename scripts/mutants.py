@@ -1771,6 +1771,65 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_parameters_on_the_meta_device_are_refused_on_every_rank_not_stepped_as_nothing",),
     ),
+    Mutant(
+        name="optimizer-read-after-a-later-one-took-its-grads",
+        bug="a second optimizer built over the same parameters takes their grads into its buffer, and the first "
+        "one's norm reads 0.0 (2.83 is right) and its step moves nothing, without a word",
+        file="pgregistry/optim/_base.py",
+        find="        earlier._give_up_grad_home(param)\n",
+        replace="        pass\n",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_an_optimizer_whose_parameters_a_later_one_took_is_refused_not_read_as_zero_grads",),
+    ),
+    Mutant(
+        name="composite-group-checked-by-size-alone",
+        bug="a collection assembled by hand with the dp group as mp (the size TP x PP gives, other ranks) is taken: "
+        "the norm sums the data-parallel replicas and misses the TP peer (7.07 and 16.97 for 13)",
+        file="pgregistry/collection.py",
+        find="        if group is not None:\n            _check_axes_inside(",
+        replace="        if False:\n            _check_axes_inside(",
+        tests=("tests/core/test_collection_checks.py::"
+               "test_a_composite_group_of_the_right_size_but_other_ranks_is_refused_instead_of_a_wrong_norm",),
+    ),
+    Mutant(
+        name="parameters-tied-by-storage-untied",
+        bug="two Parameter objects over one tensor (a tie by storage) are copied each to its own place of the flat "
+        "buffer: untied without a word, each stepped by its own grad (0.5 and 0.0 where torch's SGD gives -0.5)",
+        file="pgregistry/optim/_base.py",
+        find="        _refuse_shared_memory(self.params, self.param_name)\n",
+        replace="",
+        tests=("tests/optim/test_optim_hostile_inputs.py::test_parameters_tied_by_storage_are_refused_not_untied",),
+    ),
+    Mutant(
+        name="grads-overlapping-in-memory-counted-twice",
+        bug="grads that are views of one buffer sharing an element (offsets off by one) are read as distinct: a norm "
+        "of sqrt(41) for the buffer's 5, the shared element counted twice and scaled twice by a clip",
+        file="pgregistry/grad_stats/_plan.py",
+        find="        overlap = first_overlap([grads[index] for index in plain])\n        if overlap is not None:",
+        replace="        overlap = first_overlap([grads[index] for index in plain])\n        if False:",
+        tests=("tests/grad_stats/test_meta_and_repeated_grads.py::"
+               "test_grads_overlapping_in_memory_are_refused_not_counted_twice",),
+    ),
+    Mutant(
+        name="one-state-dict-name-for-two-parameters",
+        bug="a param_name_fn giving two parameters one name is taken: the state dict, keyed by it, saves the second "
+        "one's main copy and state for both and loads it into both",
+        file="pgregistry/optim/_base.py",
+        find="        if param_name_fn is not None:\n            _refuse_one_name_for_two(",
+        replace="        if False:\n            _refuse_one_name_for_two(",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_a_param_name_fn_giving_two_parameters_one_name_is_refused_not_saved_as_one",),
+    ),
+    Mutant(
+        name="grads-detached-by-model-zero-grad-read-as-zeros",
+        bug="the statistics read the flat buffer after model.zero_grad() detached every grad from it: without a "
+        "sync_grads (one replica) a norm of 0.0 for 2.83, every step",
+        file="pgregistry/optim/_base.py",
+        find="        grads).\"\"\"\n        self._check_attached(first_only=True)",
+        replace="        grads).\"\"\"\n        self._check_not_taken_over()",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_not_read_as_zeros",),
+    ),
 )
 
 

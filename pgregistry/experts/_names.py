@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, SupportsIndex, TypedDict
 
+from pgregistry._runtime.integers import plain_int
 from pgregistry._runtime.resolve import normalise_model, resolve_pg_collection
 from pgregistry.attachments import wrapper_chain
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
@@ -218,13 +219,14 @@ class GlobalNamer:
             offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
         if offset is None:
             offset = self._offset_without_pipeline(chunk_index)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        number = plain_int(offset)  # np.int64(2) (a config read with NumPy) is offset 2
+        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
             raise ValueError(
                 f"layer offset of model chunk {chunk_index} "
                 f"must be a non-negative integer: {offset!r}"
             )
-        self._offsets[chunk_index] = offset
-        return offset
+        self._offsets[chunk_index] = number
+        return number
 
     def _offset_without_pipeline(self, chunk_index: int) -> int:
         """0 when one chunk holds every layer (PP off); else the offset is unknown: this raises."""

@@ -64,6 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.agreement import any_rank_has
 from pgregistry._runtime.meta_tensors import meta_tensor_error
+from pgregistry._runtime.overlapping_tensors import first_overlap
 from pgregistry._runtime.resolve import (
     Params,
     Source,
@@ -440,6 +441,14 @@ class Plan:
                 partial.append((index, self.names[index], grad))
             else:
                 dtensor.append(index)
+        overlap = first_overlap([grads[index] for index in plain])
+        if overlap is not None:
+            one, other = (self.names[plain[position]] for position in overlap)
+            raise ValueError(
+                f"the grads of parameters {one!r} and {other!r} overlap in memory (views of one "
+                "tensor sharing elements), which would be counted and scaled twice: give each "
+                "parameter a grad of its own"
+            )
         targets: dict[Any, list[int]] = {}
         watched: dict[Any, list[int]] = {}
         for position, index in enumerate(plain):

@@ -29,18 +29,22 @@ parameter of a mixed-precision optimizer gets ``param.main_grad`` (its float32 v
 post-accumulate hook that adds each new ``.grad`` into it and frees it. ``param.main_grad`` is set
 in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`: ``model.zero_grad()`` sets ``.grad``
 to ``None`` and detaches it from the buffer, which :meth:`FlatOptimizer.sync_grads` detects and
-refuses.
+refuses (every parameter looked at), and the statistics and the step too (the first parameter of
+each kind: a loop without ``sync_grads`` read a norm of 0 and stepped nothing).
 """
 
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pgregistry._runtime.meta_tensors import meta_tensor_error
+from pgregistry._runtime.overlapping_tensors import first_overlap
 from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
 from pgregistry.grad_stats._functional import verdict_groups
@@ -161,10 +165,17 @@ class FlatOptimizer(OptimizerStatistics):
     Raises:
         ValueError: A parameter listed twice; a parameter of the other kind than ``expert`` says
             (named; give each kind its own optimizer, as ``build_optimizer`` does); a frozen one
-            (``requires_grad=False``, named); parameters on several devices.
+            (``requires_grad=False``, named); parameters on several devices; two parameters
+            whose memory overlaps (tied by storage, named); a ``param_name_fn`` giving two
+            parameters one name.
         TypeError: A parameter that is not a floating-point tensor (named), or groups not made by
             ``setup_process_groups_for_optimizer``; ``params`` a tensor or module (not an iterable
             of parameters), ``expert`` no bool, ``inner`` not callable.
+
+    An optimizer built later over one of its parameters takes that parameter's grads into its own
+    buffer (a rebuild does, on purpose): from then on this one's statistics, clipping,
+    ``sync_grads``, ``step`` and ``zero_grad`` raise ``RuntimeError`` naming the parameter; its
+    ``state_dict`` still reads (to carry the state over).
     """
 
     def __init__(
@@ -228,6 +239,9 @@ class FlatOptimizer(OptimizerStatistics):
             raise meta_tensor_error(
                 f"parameter {self.param_name(self.params[0])!r}", "building the optimizer"
             )
+        _refuse_shared_memory(self.params, self.param_name)
+        if param_name_fn is not None:
+            _refuse_one_name_for_two(self.params, param_name_fn)
         if not isinstance(process_groups, OptimizerProcessGroups):
             raise TypeError(
                 f"{type(self).__name__} takes the groups "
@@ -244,6 +258,8 @@ class FlatOptimizer(OptimizerStatistics):
         self._reduce_keys: tuple[GroupKey, ...] = ()
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._moved: list[tuple[torch.Tensor, int]] = []
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._taken_over: str | None = None
 
     # --------------------------------------------------------------------------------------- naming
 
@@ -264,6 +280,7 @@ class FlatOptimizer(OptimizerStatistics):
         ``.grad`` in place, or ``.main_grad`` and a hook.
         """
         for param, view in zip(params, views, strict=True):
+            _take_grad_home(param, self)
             param.main_grad = view  # type: ignore[attr-defined]
             if param.dtype == view.dtype:
                 if param.grad is not None:
@@ -274,7 +291,31 @@ class FlatOptimizer(OptimizerStatistics):
             if param.grad is not None:
                 view.copy_(param.grad)
                 param.grad = None
-            param.register_post_accumulate_grad_hook(_accumulate_into(view))
+            self._hooks[id(param)] = param.register_post_accumulate_grad_hook(
+                _accumulate_into(view)
+            )
+
+    def _give_up_grad_home(self, param: torch.Tensor) -> None:
+        """A later optimizer took ``param``'s grad: drop this one's hook on it, and refuse use.
+
+        Its buffer would read zero grads (a norm of 0) and step nothing, and its hook would take
+        the grad before the later optimizer's (which then failed in the backward pass)."""
+        hook = self._hooks.pop(id(param), None)
+        if hook is not None:
+            hook.remove()
+        if self._taken_over is None:
+            self._taken_over = self.param_name(param)
+
+    def _check_not_taken_over(self) -> None:
+        """Refuse use once a later optimizer took a parameter's grad (see _give_up_grad_home)."""
+        if self._taken_over is not None:
+            raise RuntimeError(
+                f"{self._taken_over} of this {type(self).__name__} was given to another "
+                "optimizer built after it, whose grad buffer now receives its grads: this one "
+                "would read zero grads (a norm of 0) and step nothing. Use the newer optimizer "
+                "(new.load_state_dict(old.state_dict()) carries the state over), or give each "
+                "parameter to one optimizer only"
+            )
 
     def _move_data(self, param: torch.Tensor, view: torch.Tensor) -> None:
         """Copy ``param`` into ``view`` and make ``view`` its data.
@@ -287,19 +328,25 @@ class FlatOptimizer(OptimizerStatistics):
         param.data = view
         self._moved.append((param, view.data_ptr()))
 
-    def _check_attached(self) -> None:
+    def _check_attached(self, *, first_only: bool = False) -> None:
         """Refuse grads detached from the grad buffer.
 
-        Also parameters whose data left this optimizer's buffers.
+        Also parameters whose data left this optimizer's buffers, or whose grads a later optimizer
+        took. ``first_only``: look at the first parameter of each kind alone, a constant cost for
+        the statistics and the step (``model.zero_grad()`` and ``module.to()`` detach every
+        parameter, the first too); :meth:`sync_grads` looks at every one.
         """
-        for param, view in self._direct:
+        self._check_not_taken_over()
+        direct = self._direct[:1] if first_only else self._direct
+        moved = self._moved[:1] if first_only else self._moved
+        for param, view in direct:
             if param.grad is not view:
                 raise RuntimeError(
                     f"{self.param_name(param)}.grad is no longer a view of the "
                     "optimizer's grad buffer (set to None by model.zero_grad() "
                     "or assigned?); zero grads with optimizer.zero_grad()"
                 )
-        for param, address in self._moved:
+        for param, address in moved:
             if param.data_ptr() != address:
                 raise RuntimeError(
                     f"{self.param_name(param)}.data is no longer the optimizer's view of "
@@ -385,7 +432,10 @@ class FlatOptimizer(OptimizerStatistics):
     def local_shares(self, shares: Shares) -> None:
         """Add this optimizer's groups and its spans' parts to ``shares``.
 
-        Every group is added, even one with nothing counted here."""
+        Every group is added, even one with nothing counted here. Refused once a later optimizer
+        took a parameter's grad, or grads left the buffer (its spans would read zeros, or stale
+        grads)."""
+        self._check_attached(first_only=True)
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
@@ -402,6 +452,7 @@ class FlatOptimizer(OptimizerStatistics):
 
     def zero_grad(self) -> None:
         """Zero every grad at once (the buffer); grads stay views of it."""
+        self._check_not_taken_over()
         self.buffer.data.zero_()
 
     @property
@@ -489,6 +540,63 @@ class FlatOptimizer(OptimizerStatistics):
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Load ``state``, which has no :meth:`param_state_faults`."""
+
+
+def _refuse_shared_memory(params: Sequence[torch.Tensor], name_of: ParamNameFn) -> None:
+    """``ValueError`` naming two parameters whose memory overlaps (weights tied by storage).
+
+    Two ``Parameter`` objects over one tensor (``nn.Parameter(embedding.weight.detach())``) are one
+    weight to torch's optimizers, which step it in place through both. A flat optimizer copies each
+    parameter into its own place of its buffers and makes that its data: the two were untied without
+    a word, and each then moved by its own grad alone. Parameters that are disjoint views of one
+    storage (those of an optimizer built before) are fine (:func:`first_overlap`)."""
+    overlap = first_overlap(params)
+    if overlap is not None:
+        first, second = (params[i] for i in overlap)
+        raise ValueError(
+            f"{name_of(first)} and {name_of(second)} share memory (views of one tensor, as "
+            "nn.Parameter(other.detach()) makes): the optimizer keeps each in its own place of a "
+            "flat buffer, which would untie them, each then stepped by its own grad alone; tie "
+            "them as one Parameter (module.b = module.a, listed once)"
+        )
+
+
+def _refuse_one_name_for_two(params: Sequence[torch.Tensor], name_of: ParamNameFn) -> None:
+    """``ValueError`` when ``name_of`` gives two parameters one name.
+
+    State dicts are keyed by these names: a ``param_name_fn`` giving every ``Linear`` the name
+    ``'weight'`` saved one parameter's main copy and state for both, and loaded it into both,
+    without a word."""
+    holders: dict[str, int] = {}
+    for index, param in enumerate(params):
+        name = name_of(param)
+        first = holders.setdefault(name, index)
+        if first != index:
+            raise ValueError(
+                f"param_name_fn names param[{first}] and param[{index}] both {name!r}: the "
+                "optimizer's state dict is keyed by these names, so it would hold one of the two "
+                "for both (and load it into both); give each parameter its own name "
+                "(pgregistry.experts.global_param_name_fn does)"
+            )
+
+
+_GRAD_HOMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Parameter -> a weak reference to the flat optimizer whose grad buffer holds its grad."""
+
+
+def _take_grad_home(param: torch.Tensor, optimizer: FlatOptimizer) -> None:
+    """Record ``optimizer`` as the home of ``param``'s grad; an earlier live one gives it up.
+
+    Building a second optimizer over a parameter moves its grad into the new buffer (a rebuild does
+    so on purpose, as after a recovery before :func:`~pgregistry.recovery.carry_optimizer_state`),
+    so the earlier one must not be used any more. Kept beside the parameter, not on it: a weak
+    reference on the parameter would not pickle with ``torch.save(model)``, and one copied by
+    ``copy.deepcopy`` would name the original's optimizer."""
+    earlier_ref = _GRAD_HOMES.get(param)
+    earlier = earlier_ref() if earlier_ref is not None else None
+    if earlier is not None and earlier is not optimizer:
+        earlier._give_up_grad_home(param)
+    _GRAD_HOMES[param] = weakref.ref(optimizer)
 
 
 def _accumulate_into(view: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -154,6 +154,7 @@ class MixedPrecisionOptimizer(FlatOptimizer):
 
         A flat step writes the copies itself (on CUDA in its kernel); after any other inner
         optimizer, one copy per run."""
+        self._check_attached(first_only=True)
         if self.inner is not None:
             self.inner.step()
         if not isinstance(self.inner, FlatStep):

@@ -201,6 +201,7 @@ class ShardedOptimizer(FlatOptimizer):
         """Step the shard's main copies, write them into the parameter buffer and all-gather it.
 
         A flat step writes them into the buffer itself, on CUDA in its kernel."""
+        self._check_attached(first_only=True)
         if self.inner is not None:
             self.inner.step()
         if isinstance(self.inner, FlatStep):

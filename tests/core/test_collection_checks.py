@@ -112,6 +112,39 @@ def test_tp_off_while_mp_spans_two_ranks_is_refused_instead_of_a_wrong_norm() ->
         assert out["tp_off"].startswith("process group 'mp' spans 2 rank(s), but it spans the axes tp (off)")
 
 
+SHARDED = torch.tensor([3.0, 4.0, 12.0, 0.0], dtype=torch.float64)
+"""A TP-sharded grad, cut in two along dim 0: TP rank 0 holds [3, 4], TP rank 1 [12, 0]; its norm is 13."""
+
+
+def _mp_of_another_kind() -> dict[str, Any]:
+    grid = registry.build(ParallelLayout(num_ranks=4, tp=2))  # tp (0, 1) (2, 3); dp (0, 2) (1, 3)
+    weight = nn.Parameter(torch.zeros(2))
+    weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+    weight.partition_dim = 0  # type: ignore[attr-defined]
+    weight.grad = SHARDED.reshape(2, 2)[torch.distributed.get_rank(grid.tp)].float().clone()
+    out: dict[str, Any] = {"norm": float(grad_norm([weight], grid))}
+    fields = dict(grid.items())
+    fields["mp"] = grid.dp  # of the size TP x PP gives mp, over the data-parallel ranks
+    try:
+        out["mp_of_dp"] = f"norm {float(grad_norm([weight], ProcessGroupCollection(**fields)))}"
+    except ValueError as exc:
+        out["mp_of_dp"] = str(exc)
+    return out
+
+
+def test_a_composite_group_of_the_right_size_but_other_ranks_is_refused_instead_of_a_wrong_norm() -> None:
+    """A collection assembled by hand with the ``dp`` group as ``mp`` passed the size check (2 = TP x PP): the norm
+    summed the data-parallel replicas and missed the TP peer, 7.07 on ranks 0 and 2, 16.97 on 1 and 3, for 13."""
+    oracle = math.sqrt(float((SHARDED**2).sum()))
+    for rank, out in enumerate(run_world(4, _mp_of_another_kind)):
+        assert out["norm"] == pytest.approx(oracle, rel=1e-6)
+        tp_peers = [0, 1] if rank < 2 else [2, 3]
+        assert out["mp_of_dp"].startswith(
+            f"process group 'mp' holds ranks {[rank % 2, rank % 2 + 2]}, but it spans the axis 'tp', whose group "
+            f"holds ranks {tp_peers}"
+        ), out["mp_of_dp"]
+
+
 def test_get_or_gives_the_default_only_for_an_unset_field() -> None:
     tp = SizeRankGroup(2)
     collection = ProcessGroupCollection(tp=tp, cp=None)

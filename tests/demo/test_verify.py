@@ -143,15 +143,17 @@ def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path: Path) -> No
 
 
 def _crossed_tp_and_dp() -> None:
-    """The collection verify builds holds the dp communicator in its tp field (assembled by hand: a collection that
-    knows its layout would refuse it)."""
+    """The collection verify builds holds the dp communicator in its tp field, set behind the collection's own checks
+    (one that knows its layout refuses it, and so does one assembled by hand: its mp no longer holds tp's ranks)."""
     real = registry.build
 
     def build(layout: ParallelLayout, **options: Any) -> ProcessGroupCollection:
         built = real(layout, **options)
         if options.get("name") != "verify":
             return built
-        return ProcessGroupCollection(**{**dict(built.items()), "tp": built.get("dp")})
+        crossed = ProcessGroupCollection(**dict(built.items()))
+        crossed._values["tp"] = built.get("dp")  # type: ignore[attr-defined]
+        return crossed
 
     registry.build = build  # type: ignore[assignment]
 

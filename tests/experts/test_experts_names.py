@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from fixtures.groups import SizeRankGroup
@@ -91,6 +92,26 @@ def test_virtual_chunks_use_their_offsets() -> None:
         get_global_unique_param_name(
             chunks, chunks[1].catalog[0][0], pg_collection=ep_collection(1, 2), layer_offsets=[0]
         )
+
+
+def test_layer_offsets_given_as_numpy_integers_are_taken_as_their_values() -> None:
+    """``layer_offsets=[np.int64(0), np.int64(2)]`` (or a chunk's ``layer_offset``) was refused: "layer offset of
+    model chunk 0 must be a non-negative integer: np.int64(0)"."""
+    chunks = [
+        ToyMoE(ep_rank=1, ep_size=2, first_layer=f, num_layers=1, is_first=f == 0, is_last=f == 3,
+               set_layer_offset=False)
+        for f in (0, 2)
+    ]
+    expected = _whole_names()
+    for offsets in ([np.int64(0), np.int64(2)], None):
+        if offsets is None:  # each chunk's own
+            chunks[0].layer_offset, chunks[1].layer_offset = np.int64(0), np.int64(2)  # type: ignore[assignment]
+        for chunk in chunks:
+            for param, key in chunk.catalog:
+                name = get_global_unique_param_name(
+                    chunks, param, pg_collection=ep_collection(1, 2), layer_offsets=offsets  # type: ignore[arg-type]
+                )
+                assert name == expected[key]
 
 
 def test_pipeline_without_offsets_is_an_error() -> None:

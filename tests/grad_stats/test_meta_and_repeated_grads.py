@@ -141,6 +141,38 @@ def test_two_parameters_sharing_one_grad_tensor_are_refused_not_counted_twice() 
     assert results[0]["shared after"] == [[5.0] * 4] * 2
 
 
+def _overlapping_grad_refusals() -> dict[str, object]:
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    model = nn.Module()
+    model.first = nn.Parameter(torch.zeros(2))
+    model.second = nn.Parameter(torch.zeros(2))
+    buffer = torch.tensor([3.0, 4.0, 0.0])
+    model.first.grad, model.second.grad = buffer[0:2], buffer[1:3]  # offsets one element off: 4.0 in both
+    out: dict[str, object] = {
+        "grad_norm": _outcome(lambda: grad_norm(model, collection)),
+        "clip_grad_norm_": _outcome(lambda: clip_grad_norm_(model, 1.0, collection)),
+        "buffer after": buffer.tolist(),
+    }
+    model.second.grad = buffer[2:3].expand(2)  # disjoint views of the buffer are counted as they are
+    out["disjoint"] = float(grad_norm(model, collection))
+    return out
+
+
+def test_grads_overlapping_in_memory_are_refused_not_counted_twice() -> None:
+    """Grads that are views of one buffer sharing an element (offsets off by one) gave a norm of sqrt(41) for
+    the 5 of the buffer, the shared 4.0 counted twice, and a clip scaled it twice."""
+    results = run_world(2, _overlapping_grad_refusals, timeout=60)
+    assert results[0] == results[1]
+    for label in ("grad_norm", "clip_grad_norm_"):
+        assert results[0][label] == (
+            "ValueError: the grads of parameters 'first' and 'second' overlap in memory (views of one tensor "
+            "sharing elements), which would be counted and scaled twice: give each parameter a grad of its own"
+        )
+    assert results[0]["buffer after"] == [3.0, 4.0, 0.0]
+    oracle = math.sqrt(torch.tensor([3.0, 4.0, 0.0, 0.0], dtype=torch.float64).square().sum().item())
+    assert results[0]["disjoint"] == pytest.approx(oracle, rel=1e-6)
+
+
 def test_a_tensor_given_twice_is_refused_not_counted_or_scaled_twice() -> None:
     results = run_world(2, _repeated_refusals, timeout=60)
     assert results[0] == results[1]

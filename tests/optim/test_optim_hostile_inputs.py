@@ -377,3 +377,125 @@ def test_parameters_on_the_meta_device_are_refused_on_every_rank_not_stepped_as_
     for message in run_world(2, _meta_model_refusal, timeout=60):
         assert message.startswith("parameter 'weight' is on the meta device"), message
         assert "to_empty" in message and "before building the optimizer" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_an_optimizer_whose_parameters_a_later_one_took_is_refused_not_read_as_zero_grads(
+    kind: type, dtype: torch.dtype
+) -> None:
+    """A second optimizer over the same parameters moves their grads into its own buffer: the first one's norm
+    read 0.0 (2.83 is right) and its step moved nothing; over bf16 parameters the first one's grad hook took each
+    grad, and the backward pass failed in the second one's (``add_(): argument 'other' ... not NoneType``)."""
+    model = _linear(dtype)
+    oracle = copy.deepcopy(model).double()
+    earlier = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    later = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    model(torch.ones(1, 3, dtype=dtype)).sum().backward()
+    oracle(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in oracle.parameters()]).norm()
+    assert float(later.get_grad_norm()) == pytest.approx(float(expected), rel=1e-6)
+    before = [p.detach().clone() for p in model.parameters()]
+    taken = rf"param\[0\] of this {kind.__name__} was given to another optimizer built after it"
+    for use in ("get_grad_norm", "count_zeros", "sync_grads", "step", "zero_grad"):
+        with pytest.raises(RuntimeError, match=taken):
+            getattr(earlier, use)()
+    with pytest.raises(RuntimeError, match=taken):
+        earlier.clip_grad_norm(1.0)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    earlier.state_dict()  # what carrying the state over reads
+    later.step()
+    for param, reference, start in zip(model.parameters(), oracle.parameters(), before, strict=True):
+        stepped = (start.double() - 0.5 * reference.grad).to(dtype)  # torch's SGD, rounded as the model
+        assert torch.equal(param.detach(), stepped), (param, stepped)
+
+
+class _TiedByStorage(nn.Module):
+    def __init__(self, one_parameter: bool) -> None:
+        super().__init__()
+        self.emb = nn.Parameter(torch.ones(4))
+        # Two Parameter objects over one tensor, or the tie as torch's own modules make it (one object).
+        self.out = self.emb if one_parameter else nn.Parameter(self.emb.detach())
+
+    def forward(self) -> torch.Tensor:
+        return self.emb.sum() + 2 * self.out.sum()
+
+
+def test_parameters_tied_by_storage_are_refused_not_untied() -> None:
+    """Two parameters over one tensor were copied each to its own place of the flat buffer, untied without a word:
+    after one SGD step of lr 0.5 ``emb`` was 0.5 and ``out`` 0.0, where torch's SGD, stepping the one tensor
+    through both, leaves both at -0.5."""
+    model = _TiedByStorage(one_parameter=False)
+    with pytest.raises(ValueError, match=r"^emb and out share memory .* tie them as one Parameter"):
+        build_optimizer(model, ALL_OFF, optimizer="sgd", lr=0.5)
+    for kind in (MixedPrecisionOptimizer, ShardedOptimizer):
+        with pytest.raises(ValueError, match=r"^param\[0\] and param\[1\] share memory"):
+            kind([model.emb, model.out], OFF, inner=inner_factory("sgd", lr=0.5))
+    assert model.emb.data_ptr() == model.out.data_ptr()  # still tied
+    tied, reference = _TiedByStorage(one_parameter=True), _TiedByStorage(one_parameter=False)
+    optimizer = build_optimizer(tied, ALL_OFF, optimizer="sgd", lr=0.5)
+    torch_sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    tied().backward()
+    reference().backward()
+    optimizer.step()
+    torch_sgd.step()
+    assert torch.equal(tied.out.detach(), reference.out.detach()), (tied.out, reference.out)
+    assert torch.equal(reference.emb.detach(), torch.full((4,), -0.5))
+
+
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_a_param_name_fn_giving_two_parameters_one_name_is_refused_not_saved_as_one(kind: type) -> None:
+    """State dicts are keyed by ``param_name_fn``: one name for two parameters saved the second's main copy (1.7)
+    for both, and a load gave it to the first too (0.9 is its own)."""
+
+    def two_parameters() -> list[nn.Parameter]:
+        return [nn.Parameter(torch.full((2,), value, dtype=torch.bfloat16)) for value in (1.0, 2.0)]
+
+    with pytest.raises(ValueError, match=r"param_name_fn names param\[0\] and param\[1\] both 'weight'"):
+        kind(two_parameters(), OFF, inner=inner_factory("sgd", lr=0.1), param_name_fn=lambda p: "weight")
+    params = two_parameters()
+    names = {id(param): f"layer{index}.weight" for index, param in enumerate(params)}
+    optimizer = kind(params, OFF, inner=inner_factory("sgd", lr=0.1), param_name_fn=lambda p: names[id(p)])
+    (params[0].float().sum() + 3 * params[1].float().sum()).backward()
+    optimizer.step()
+    fresh = two_parameters()
+    fresh_names = {id(param): f"layer{index}.weight" for index, param in enumerate(fresh)}
+    loaded = kind(fresh, OFF, inner=inner_factory("sgd", lr=0.1), param_name_fn=lambda p: fresh_names[id(p)])
+    loaded.load_state_dict(optimizer.state_dict())
+    expected = {"layer0.weight": 1.0 - 0.1 * 1.0, "layer1.weight": 2.0 - 0.1 * 3.0}  # SGD by hand, float64
+    saved = loaded.state_dict()
+    pieces = saved["main_params"] if kind is MixedPrecisionOptimizer else {
+        name: shard["main"] for name, shard in saved["shards"].items()
+    }
+    for name, value in expected.items():
+        assert pieces[name].tolist() == pytest.approx([value] * 2, rel=1e-6), (name, pieces[name])
+
+
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_not_read_as_zeros(kind: type) -> None:
+    """``model.zero_grad()`` (torch's default sets ``.grad`` to None) detaches the grads from the flat buffer, which
+    only ``sync_grads`` looked for: a loop without it (one replica) read a norm of 0.0 (2.83 is right) and stepped
+    nothing, every step."""
+    model = _linear()
+    optimizer = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    before = [p.detach().clone() for p in model.parameters()]
+    model.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    detached = r"^weight.grad is no longer a view of the optimizer's grad buffer|^param\[0\].grad is no longer a view"
+    for use in ("get_grad_norm", "count_zeros", "step"):
+        with pytest.raises(RuntimeError, match=detached):
+            getattr(optimizer, use)()
+    with pytest.raises(RuntimeError, match=detached):
+        optimizer.clip_grad_norm(1.0)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    # Zeroed by the optimizer, the grads stay in its buffer: the norm and step are torch's.
+    model, reference = _linear(), _linear().double()
+    optimizer = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    optimizer.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    reference(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm()
+    assert float(optimizer.get_grad_norm()) == pytest.approx(float(expected), rel=1e-6)
+    optimizer.step()
+    for param, oracle in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(param.detach().double(), oracle.detach() - 0.5 * oracle.grad, atol=1e-6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from pgregistry.testing import run_world
@@ -78,7 +79,9 @@ def _bad_arguments() -> list[str]:
     store = dist.HashStore()
     out = []
     for kwargs in ({"committed_step": "3"}, {"committed_step": 3, "wait": 0}, {"committed_step": 3, "lost": "3"},
-                   {"committed_step": 3, "lost": [1.0]}, {"committed_step": 3, "wait": math.inf}):
+                   {"committed_step": 3, "lost": [1.0]}, {"committed_step": 3, "wait": math.inf},
+                   {"committed_step": 3, "timeout": -1}, {"committed_step": 3, "timeout": "5"},
+                   {"committed_step": 3, "backend": "ncl"}):
         try:
             recover(pg, store, **kwargs)  # type: ignore[arg-type]
         except (TypeError, ValueError) as error:
@@ -89,6 +92,11 @@ def _bad_arguments() -> list[str]:
             call()  # type: ignore[arg-type]
         except (TypeError, ValueError) as error:
             out.append(f"{type(error).__name__}: {error}")
+    try:
+        recover(pg, store, committed_step=3, lost=[np.int64(0)])
+    except RuntimeError as error:  # refused as no integer before: "lost rank must be an integer, got np.int64(0)"
+        out.append(f"{type(error).__name__}: {str(error).split(':')[0]}")
+    out.append(f"world kept: {dist.is_initialized() and dist.get_world_size() == 1 and not pg.is_destroyed}")
     return out
 
 
@@ -100,6 +108,13 @@ def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
         "TypeError: lost must be an iterable of ranks or None, got str",
         "TypeError: lost rank must be an integer, got 1.0 (float)",
         "ValueError: wait must be a positive, finite number of seconds, got inf",  # waited for ever before
+        # The three below were taken, the world destroyed, and the new one refused them: "a second failure during
+        # recovery ... a rank that was to go on was lost", the job lost.
+        "ValueError: timeout must be positive, finite and at most 1e12 seconds (or None for torch's default); got -1",
+        "TypeError: timeout must be a number of seconds (an int or a float) or a datetime.timedelta, or None for "
+        "torch's default; got '5' (str)",
+        "ValueError: backend 'ncl' names ['ncl'], which this torch cannot use here: give one it has ('gloo'; 'nccl' "
+        "with CUDA), or None for the old world's",
         *(
             f"TypeError: {name} expects a pgregistry ProcessGroupCollection, got "
             "torch.distributed.distributed_c10d.ProcessGroup"
@@ -107,4 +122,6 @@ def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
         ),
         "TypeError: carry_optimizer_state takes the optimizers build_optimizer returns (ChainedOptimizer); old is a "
         "SGD",
+        "RuntimeError: rank 0 called recover but is among the lost ranks [0] it was given",
+        "world kept: True",
     ]
