@@ -1466,6 +1466,15 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_files.py::test_the_last_line_ending_is_kept_whatever_the_line_endings",),
     ),
     Mutant(
+        name="migrate-drops-a-guarded-import",
+        bug="migrate drops an import of parallel_state in a try (or with) the rewrite left unused: the handler's "
+        "flag (HAVE_MCORE = False) says Megatron-Core is there where it is not",
+        file="pgregistry/migrate/_rewrite.py",
+        find="        if self.guards:\n            return list(names)\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_imports_kept.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
+    ),
+    Mutant(
         name="allowlist-link-replaced-by-a-copy",
         bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
         "named keeps the old list; a link out of the project is written through",

@@ -61,13 +61,43 @@ class _Prune(cst.CSTTransformer):
     ``pass`` left in its place, and the comments above it go onto the statement after it: they say
     what that code does. Not libcst's ``RemoveImportsVisitor``: it needs a ``ScopeProvider``
     analysis of each file (here the unused names come from one :mod:`ast` count) and drops a
-    statement's comments with it."""
+    statement's comments with it.
+
+    An import inside a ``try`` or ``with`` statement stays: whether it fails is what the handler
+    (``except ImportError: HAVE_MCORE = False``) or the context manager (``suppress``) sees, so
+    dropping it would change what the module computes where Megatron-Core is not installed."""
 
     def __init__(self, unused: set[str]) -> None:
         super().__init__()
         self.unused = unused
         #: A statement dropped (by id of the original node) -> the comment lines above it.
         self.dropped: dict[int, list[cst.EmptyLine]] = {}
+        #: How many ``try`` / ``with`` statements hold the node visited.
+        self.guards = 0
+
+    def visit_Try(self, node: cst.Try) -> bool:
+        self.guards += 1
+        return True
+
+    def leave_Try(self, original: cst.Try, updated: cst.Try) -> cst.Try:
+        self.guards -= 1
+        return updated
+
+    def visit_TryStar(self, node: cst.TryStar) -> bool:
+        self.guards += 1
+        return True
+
+    def leave_TryStar(self, original: cst.TryStar, updated: cst.TryStar) -> cst.TryStar:
+        self.guards -= 1
+        return updated
+
+    def visit_With(self, node: cst.With) -> bool:
+        self.guards += 1
+        return True
+
+    def leave_With(self, original: cst.With, updated: cst.With) -> cst.With:
+        self.guards -= 1
+        return updated
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
@@ -85,6 +115,8 @@ class _Prune(cst.CSTTransformer):
         return _comments_kept(original, updated, self.dropped)
 
     def _drop_unused_aliases(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
+        if self.guards:
+            return list(names)
         kept = [alias for alias in names if bound_name(alias) not in self.unused]
         if kept and len(kept) < len(names):  # the last one's comma (a trailing one, or none)
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)

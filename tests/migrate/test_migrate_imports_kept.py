@@ -1,0 +1,111 @@
+"""``pgregistry migrate`` keeps the imports whose removal another piece of code would see, proven by running the
+original tree and its migrated copy side by side, each in a fresh interpreter (the oracle is the original tree).
+
+Found by the hostile audit of the rewrite: an import of ``parallel_state`` in a ``try`` whose handler sets a flag
+(``HAVE_MCORE``) went with the reads, so the flag said Megatron-Core was there where it was not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libcst")
+
+from fixtures.migrated_packages import write_sources  # noqa: E402
+
+from pgregistry._source.config import PRESETS  # noqa: E402
+from pgregistry.migrate._engine import migrate  # noqa: E402
+
+#: Megatron-Core's ``parallel_state`` as the probes see it: a stand-in, fast to import (torch is not), whose accessors
+#: give one value each; the original and the migrated tree run on the same one.
+_STAND_IN = """
+def get_tensor_model_parallel_rank(**keywords):
+    return 3
+
+def get_tensor_model_parallel_world_size(**keywords):
+    return 4
+"""
+#: Run in each tree: each expression's value, or its exception's type (a failed import included).
+_PROBE = """
+import json, sys
+if sys.argv[2] == "without":
+    sys.modules["megatron"] = None  # Megatron-Core is not installed: importing it raises ImportError
+outcomes = {}
+for expression in json.loads(sys.argv[1]):
+    try:
+        outcomes[expression] = repr(eval(expression))
+    except BaseException as error:
+        outcomes[expression] = type(error).__name__
+print(json.dumps(outcomes))
+"""
+
+
+def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, str]:
+    stand_in = root.parent / "stand_in"
+    write_sources(stand_in, {"megatron/__init__.py": "", "megatron/core/__init__.py": "",
+                             "megatron/core/parallel_state.py": _STAND_IN})
+    path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
+    completed = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(expressions), megatron],
+        cwd=root, capture_output=True, text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": path},
+    )
+    return json.loads(completed.stdout)
+
+
+def _side_by_side(tmp_path: Path, files: dict[str, str], expressions: list[str]) -> dict[str, str]:
+    """Each of ``expressions``' outcome in the original tree and in its migrated copy, with Megatron-Core and without
+    it: asserted equal; returned for the original with Megatron-Core (to check the probe sees something)."""
+    original, migrated = tmp_path / "original", tmp_path / "migrated"
+    write_sources(original, {path: textwrap.dedent(text) for path, text in files.items()})
+    sources = write_sources(migrated, {path: textwrap.dedent(text) for path, text in files.items()})
+    migration = migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection")
+    assert not migration.failures, migration.failures
+    assert migration.changes, "nothing was rewritten: the test would compare a tree with itself"
+    for change in migration.changes:
+        (migrated / change.path).write_bytes(change.after)
+    for megatron in ("with", "without"):
+        before = _outcomes(original, expressions, megatron)
+        assert _outcomes(migrated, expressions, megatron) == before, megatron
+    return _outcomes(original, expressions, "with")
+
+
+def test_an_import_in_a_try_whose_handler_sets_a_flag_stays(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/flagged.py": """
+            try:
+                from megatron.core import parallel_state
+                HAVE_MCORE = True
+            except ImportError:
+                HAVE_MCORE = False
+
+            def rank():
+                if HAVE_MCORE:
+                    return parallel_state.get_tensor_model_parallel_rank()
+                return 0
+        """,
+        "pkg/suppressed.py": """
+            import contextlib
+            HAVE_MCORE = False
+            with contextlib.suppress(ImportError):
+                import megatron.core.parallel_state as ps
+                HAVE_MCORE = True
+
+            def size():
+                return ps.get_tensor_model_parallel_world_size() if HAVE_MCORE else 1
+        """,
+    }
+    expressions = [
+        "__import__('pkg.flagged').flagged.HAVE_MCORE",
+        "__import__('pkg.flagged').flagged.rank()",
+        "__import__('pkg.suppressed').suppressed.HAVE_MCORE",
+        "__import__('pkg.suppressed').suppressed.size()",
+    ]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict.fromkeys(expressions[::2], "True") | {expressions[1]: "3", expressions[3]: "4"}, seen
