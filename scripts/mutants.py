@@ -1475,6 +1475,18 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_imports_kept.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
     ),
     Mutant(
+        name="migrate-drops-a-reexported-import",
+        bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
+        "m import get_x, m.get_x, import *, __all__): that module's import fails",
+        file="pgregistry/migrate/_rewrite.py",
+        find='if name not in reached and ("*" not in reached or name.startswith("_"))',
+        replace="if True",
+        tests=(
+            "tests/migrate/test_migrate_imports_kept.py::"
+            "test_a_name_another_module_imports_from_a_rewritten_one_stays",
+        ),
+    ),
+    Mutant(
         name="allowlist-link-replaced-by-a-copy",
         bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
         "named keeps the old list; a link out of the project is written through",

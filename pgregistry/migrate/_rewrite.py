@@ -14,6 +14,7 @@ import ast
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 import libcst as cst
 
@@ -701,10 +702,17 @@ def _restore_skeleton_text(plan: FilePlan, text: str) -> str:
     return restored
 
 
-def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
+def apply_rewrites(
+    plan: FilePlan,
+    target: Idiom,
+    width: int = DEFAULT_WIDTH,
+    reached: AbstractSet[str] = frozenset(),
+) -> str | None:
     """The source of ``plan``'s file with its planned rewrites applied; None when none is planned.
 
-    ``width``: the tree's line length (:mod:`~pgregistry.migrate._style`)."""
+    ``width``: the tree's line length (:mod:`~pgregistry.migrate._style`). ``reached``: the names of
+    the file's module that other code reaches (``from m import x`` in another file, ``__all__``;
+    ``*``: every public name, for ``from m import *``): an import binding one stays."""
     module = plan.wrapper.module
     rewriter = _Rewriter(plan, target, width)
     if (
@@ -732,6 +740,11 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
         before = _count_reads_in_code(data)
         after = _count_reads_in_code(_restore_skeleton_text(plan, render.code(changed)))
         unused = {name for name, count in before.items() if count and after[name] <= 0}
+    unused = {
+        name
+        for name in unused
+        if name not in reached and ("*" not in reached or name.startswith("_"))
+    }
     if not unused:
         return _restore_skeleton_text(plan, render.code(changed))
     # An import the rewrite left unused is at module level, in a module-level block (``if

@@ -109,3 +109,46 @@ def test_an_import_in_a_try_whose_handler_sets_a_flag_stays(tmp_path: Path) -> N
     ]
     seen = _side_by_side(tmp_path, files, expressions)
     assert seen == dict.fromkeys(expressions[::2], "True") | {expressions[1]: "3", expressions[3]: "4"}, seen
+
+
+def test_a_name_another_module_imports_from_a_rewritten_one_stays(tmp_path: Path) -> None:
+    """The other module's ``from pkg.reads import ...``, attribute reads of the module, ``import *`` and the
+    module's own ``__all__`` reach the names the rewrite stopped reading: each stays importable."""
+    reads = """
+        from megatron.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        def rank():
+            return get_tensor_model_parallel_rank()
+
+        def size():
+            return get_tensor_model_parallel_world_size()
+    """
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/reads.py": reads,
+        "pkg/listed.py": textwrap.dedent(reads) + '\n__all__ = ["rank", "get_tensor_model_parallel_world_size"]\n',
+        "pkg/starred.py": reads,
+        "pkg/attributes.py": reads,
+        "pkg/users.py": """
+            import pkg.attributes
+            from pkg import attributes as aliased
+            from pkg.reads import get_tensor_model_parallel_rank
+
+            def both():
+                from pkg.reads import get_tensor_model_parallel_world_size
+                return get_tensor_model_parallel_rank() + get_tensor_model_parallel_world_size()
+
+            def through_the_module():
+                return pkg.attributes.get_tensor_model_parallel_world_size() + aliased.get_tensor_model_parallel_rank()
+        """,
+        "pkg/star_user.py": "from pkg.starred import *\n\ndef both():\n    return get_tensor_model_parallel_rank()\n",
+    }
+    expressions = [
+        "__import__('pkg.users').users.both()",
+        "__import__('pkg.users').users.through_the_module()",
+        "__import__('pkg.reads').reads.rank()",
+        "__import__('pkg.star_user').star_user.both()",
+        "__import__('pkg.listed', fromlist=['*']).get_tensor_model_parallel_world_size()",
+    ]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["7", "7", "3", "3", "4"], strict=True)), seen
