@@ -1472,7 +1472,7 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/migrate/_rewrite.py",
         find="        if self.guards:\n            return list(names)\n",
         replace="",
-        tests=("tests/migrate/test_migrate_imports_kept.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
+        tests=("tests/migrate/test_migrate_side_by_side.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
     ),
     Mutant(
         name="migrate-drops-a-reexported-import",
@@ -1482,9 +1482,26 @@ MUTANTS: tuple[Mutant, ...] = (
         find='if name not in reached and ("*" not in reached or name.startswith("_"))',
         replace="if True",
         tests=(
-            "tests/migrate/test_migrate_imports_kept.py::"
+            "tests/migrate/test_migrate_side_by_side.py::"
             "test_a_name_another_module_imports_from_a_rewritten_one_stays",
         ),
+    ),
+    Mutant(
+        name="migrate-threads-a-function-calling-locals",
+        bug="migrate gives a function that calls locals() the collection's parameter: what locals() returns (a "
+        "config captured from the arguments) holds it too",
+        file="pgregistry/migrate/_plan.py",
+        find="    if CALLS_LOCALS in function.names:\n        return LOCALS_REASON\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_side_by_side.py::test_a_function_that_calls_locals_gets_no_parameter",),
+    ),
+    Mutant(
+        name="migrate-threads-upward-a-function-calling-locals",
+        bug="migrate threads upward a function that calls locals(): what locals() returns holds the new parameter",
+        file="pgregistry/migrate/_upward.py",
+        find="        or definition.calls_locals\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_side_by_side.py::test_a_function_that_calls_locals_gets_no_parameter",),
     ),
     Mutant(
         name="allowlist-link-replaced-by-a-copy",

@@ -111,6 +111,8 @@ class DefinitionFacts:
     names_keyword: bool
     holds: bool
     calls: frozenset[CallTarget]
+    #: Whether it (or a function nested in it) calls ``locals()``: a new parameter would show there.
+    calls_locals: bool = False
 
 
 @dataclass(frozen=True)
@@ -361,9 +363,10 @@ def _definitions_with_calls(
         else:
             continue
         for node, qualname, method, holds in members:
+            within = list(_calls_within(node))
             calls = frozenset(
                 target
-                for call in _calls_within(node)
+                for call in within
                 for target in [_call_target(call, module, functions, bound, keyword)]
                 if target is not None
             )
@@ -375,6 +378,7 @@ def _definitions_with_calls(
                 name in definition_text(node),
                 holds,
                 calls,
+                any(type(c.func) is ast.Name and c.func.id == "locals" for c in within),
             )
 
 

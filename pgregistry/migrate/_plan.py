@@ -137,6 +137,10 @@ FIXED_SIGNATURE = (
     "fuser",
 )
 COMPILERS = ("jit", "script", "compile", "fuser")
+#: A function that names it (``locals()``, ``dict(locals())``: a config captured from the
+#: arguments) would return the collection's parameter too: it gets none.
+CALLS_LOCALS = "locals"
+LOCALS_REASON = "calls locals(), which would return the new parameter too"
 #: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional
 #: arguments only).
 CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
@@ -1215,6 +1219,8 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
     name = function.node.name.value
     if name.startswith("__") and name.endswith("__") and name not in _CALLED_BY_CODE:
         return f"special method {name}: Python calls it with its own arguments"
+    if CALLS_LOCALS in function.names:
+        return LOCALS_REASON
     method_of = function.method_of
     if (
         method_of is not None
@@ -1240,6 +1246,18 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
                 f"outside the tree, and the tree never calls {name} by name"
             )
     return None
+
+
+def _closure_calls_locals(function: Function, root: Function) -> bool:
+    """Whether ``function`` or a function between it and ``root`` calls ``locals()``.
+
+    Each would read the collection as a closure, which ``locals()`` then returns too."""
+    inner: Function | None = function
+    while inner is not None and inner is not root:
+        if CALLS_LOCALS in inner.names:
+            return True
+        inner = inner.parent
+    return False
 
 
 def _free_name(function: Function, name: str, taken: set[str], spare: tuple[str, ...] = ()) -> str:
@@ -1461,6 +1479,9 @@ def plan_file(
         if (
             found is None and root is not function
         ):  # the enclosing function's collection, as a closure
+            if _closure_calls_locals(function, root):
+                read.way, read.reason = Way.LEFT, LOCALS_REASON
+                continue
             found = _enclosing_collection(function, root, locator.attributes, name, chains)
             if isinstance(found, str):
                 read.way, read.reason = Way.LEFT, found

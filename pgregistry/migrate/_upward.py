@@ -70,6 +70,7 @@ def _may_be_threaded(definition: DefinitionFacts, binds_keyword: bool) -> bool:
         or binds_keyword
         or any(decorator_matches(last, FIXED_SIGNATURE) for last in definition.decorators)
         or definition.names_keyword
+        or definition.calls_locals
         or (definition.method and name in CALLED_BY_AUTOGRAD)
     )
 

@@ -1,8 +1,10 @@
-"""``pgregistry migrate`` keeps the imports whose removal another piece of code would see, proven by running the
-original tree and its migrated copy side by side, each in a fresh interpreter (the oracle is the original tree).
+"""``pgregistry migrate`` keeps what code computes, proven by running the original tree and its migrated copy side by
+side, each in a fresh interpreter, with Megatron-Core (a stand-in ``parallel_state``) and without it: every probe's
+value or exception must be the original's (the oracle is the original tree).
 
-Found by the hostile audit of the rewrite: an import of ``parallel_state`` in a ``try`` whose handler sets a flag
-(``HAVE_MCORE``) went with the reads, so the flag said Megatron-Core was there where it was not."""
+Found by the hostile audit of the rewrite (docs/reliability.md, "Hostile audit of the rewrite"): an import of
+``parallel_state`` in a ``try`` whose handler sets a flag went with the reads; an import another module reaches
+went too; a function calling ``locals()`` returned the new parameter in it."""
 
 from __future__ import annotations
 
@@ -152,3 +154,36 @@ def test_a_name_another_module_imports_from_a_rewritten_one_stays(tmp_path: Path
     ]
     seen = _side_by_side(tmp_path, files, expressions)
     assert seen == dict(zip(expressions, ["7", "7", "3", "3", "4"], strict=True)), seen
+
+
+def test_a_function_that_calls_locals_gets_no_parameter(tmp_path: Path) -> None:
+    """``dict(locals())`` (a config captured from the arguments) would hold the new parameter: such a function, one
+    threaded upward (it calls one that reads) and a nested one that would read the collection as a closure, keep
+    their reads and signatures."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/captured.py": """
+            from megatron.core import parallel_state as ps
+
+            def config(hidden, layers=2):
+                rank = ps.get_tensor_model_parallel_rank()
+                return sorted(dict(locals()))
+
+            def reads():
+                return ps.get_tensor_model_parallel_world_size()
+
+            def above(hidden):
+                size = reads()
+                return sorted(locals())
+
+            def outer():
+                def inner():
+                    rank = ps.get_tensor_model_parallel_rank()
+                    return sorted(locals())
+                return inner()
+        """,
+    }
+    expressions = [f"__import__('pkg.captured').captured.{call}" for call in ("config(8)", "above(8)", "outer()")]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, [
+        "['hidden', 'layers', 'rank']", "['hidden', 'size']", "['rank']"], strict=True)), seen
