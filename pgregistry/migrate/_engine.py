@@ -261,7 +261,7 @@ class _Instruction:
     #: Module -> the names of it the tree reaches (:func:`._facts.names_reached`): its imports stay.
     reached: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
-    def reached_in(self, module: str) -> frozenset[str]:
+    def names_reached_in(self, module: str) -> frozenset[str]:
         """The names of ``module`` the tree reaches (``*``: any of its public names).
 
         Looked up under each dotted tail of ``module`` too (``pkg.k`` for ``src.pkg.k``): a path's
@@ -539,7 +539,7 @@ class _Worker:
             self.progress("rewriting", rewritten, len(plans))
             done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
             done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
-            result = self._rewrite_and_compile(plan, instruction.reached_in(plan.module))
+            result = self._rewrite_and_compile(plan, instruction.names_reached_in(plan.module))
             if isinstance(result, FileResult):
                 done.failures.append(result)
             elif result is not None:

@@ -442,7 +442,7 @@ def _spec_calls(path: str, module: str, tree: ast.Module, keyword: str) -> Itera
             yield SpecCall(path, node.lineno, module, qualname, name, annotated)
 
 
-def _statements(body: Sequence[ast.AST]) -> Iterator[ast.stmt]:
+def _statements_within(body: Sequence[ast.AST]) -> Iterator[ast.stmt]:
     """The statements of ``body`` and of every block in them (functions', ``except``'s, ``case``'s).
 
     Expressions are not entered: a tenth of the nodes :func:`ast.walk` visits."""
@@ -470,7 +470,7 @@ def names_reached(
     of these reaches it: removing it would break ``from m import x`` elsewhere."""
     reached = {
         f"{absolute_module(node.module, node.level, package)}:{alias.name}"
-        for node in _statements(tree.body)
+        for node in _statements_within(tree.body)
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
     }
