@@ -1504,6 +1504,18 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_side_by_side.py::test_a_function_that_calls_locals_gets_no_parameter",),
     ),
     Mutant(
+        name="migrate-helper-name-shadowed",
+        bug="migrate calls the fallback helper by its own name in a file that binds that name (a local pg_size, a "
+        "def pg_rank, an imported pg_group): the rewritten read calls the file's, or the file's calls the helper",
+        file="pgregistry/migrate/_rewrite.py",
+        find="    rewriter = _Rewriter(plan, replace(target, aliases=aliases) if aliases else target, width)",
+        replace="    rewriter = _Rewriter(plan, target, width)",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_file_that_binds_a_helpers_name_calls_the_helper_by_another",
+        ),
+    ),
+    Mutant(
         name="allowlist-link-replaced-by-a-copy",
         bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
         "named keeps the old list; a link out of the project is written through",

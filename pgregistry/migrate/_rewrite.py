@@ -15,10 +15,11 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import replace
 
 import libcst as cst
 
-from pgregistry.migrate._idioms import Idiom
+from pgregistry.migrate._idioms import Idiom, helper_aliases
 from pgregistry.migrate._layout import (
     split_argument_line,
     split_arguments,
@@ -553,13 +554,32 @@ def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseState
 
 
 def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | None:
-    """(module, names bound) of a module-level ``from M import names`` statement standing alone."""
+    """(module, names) of a module-level ``from M import names`` statement standing alone.
+
+    A name imported under another is ``name as alias``, as :func:`_from_import` writes it."""
     if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
         return None
     small = statement.body[0]
     if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
         return None
-    return import_module_text(small), [bound_name(alias) for alias in small.names]
+    return import_module_text(small), [
+        alias.evaluated_name
+        if alias.evaluated_alias is None
+        else f"{alias.evaluated_name} as {alias.evaluated_alias}"
+        for alias in small.names
+    ]
+
+
+def _helper_bindings(module: cst.Module, helper_module: str) -> dict[str, str]:
+    """The names ``module``'s own imports of ``helper_module`` bind -> the helper's name each is."""
+    bound: dict[str, str] = {}
+    for statement in module.body:
+        found = _from_import_names(statement)
+        if found is not None and found[0] == helper_module:
+            for text in found[1]:
+                name, _, alias = text.partition(" as ")
+                bound[alias or name] = name
+    return bound
 
 
 def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int) -> cst.Module:
@@ -714,7 +734,10 @@ def apply_rewrites(
     the file's module that other code reaches (``from m import x`` in another file, ``__all__``;
     ``*``: every public name, for ``from m import *``): an import binding one stays."""
     module = plan.wrapper.module
-    rewriter = _Rewriter(plan, target, width)
+    data = plan.data if plan.data is not None else module.bytes
+    # A helper's name the file binds itself is shadowed by it, or shadows it: called by another.
+    aliases = helper_aliases(data, _helper_bindings(module, target.module))
+    rewriter = _Rewriter(plan, replace(target, aliases=aliases) if aliases else target, width)
     if (
         not rewriter.replacements
         and not rewriter.field_reads
@@ -723,7 +746,6 @@ def apply_rewrites(
         and not rewriter.functions
     ):
         return None
-    data = plan.data if plan.data is not None else module.bytes
     render = _Renderer(module, data)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node
     # it visits.

@@ -4,7 +4,8 @@ value or exception must be the original's (the oracle is the original tree).
 
 Found by the hostile audit of the rewrite (docs/reliability.md, "Hostile audit of the rewrite"): an import of
 ``parallel_state`` in a ``try`` whose handler sets a flag went with the reads; an import another module reaches
-went too; a function calling ``locals()`` returned the new parameter in it."""
+went too; a function calling ``locals()`` returned the new parameter in it; a file binding a helper's name
+(``pg_size = group.size()``) called its own where it meant the helper, or the helper where it meant its own."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def get_tensor_model_parallel_rank(**keywords):
 
 def get_tensor_model_parallel_world_size(**keywords):
     return 4
+
+def get_tensor_model_parallel_group(**keywords):
+    return "the tensor-parallel group"
 """
 #: Run in each tree: each expression's value, or its exception's type (a failed import included).
 _PROBE = """
@@ -55,7 +59,7 @@ def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, st
     path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
     completed = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(expressions), megatron],
-        cwd=root, capture_output=True, text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": path},
+        cwd=root, capture_output=True, text=True, timeout=60, check=True, env={**os.environ, "PYTHONPATH": path},
     )
     return json.loads(completed.stdout)
 
@@ -187,3 +191,33 @@ def test_a_function_that_calls_locals_gets_no_parameter(tmp_path: Path) -> None:
     seen = _side_by_side(tmp_path, files, expressions)
     assert seen == dict(zip(expressions, [
         "['hidden', 'layers', 'rank']", "['hidden', 'size']", "['rank']"], strict=True)), seen
+
+
+def test_a_file_that_binds_a_helpers_name_calls_the_helper_by_another(tmp_path: Path) -> None:
+    """A local ``pg_size``, a module-level ``def pg_rank`` and an imported ``pg_group`` keep their meaning, and the
+    rewritten reads still call the helper."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/util.py": "def pg_group():\n    return 'util'\n",
+        "pkg/bound.py": """
+            from megatron.core import parallel_state as ps
+            from pkg.util import pg_group
+
+            def pg_rank(x, y):
+                return ("mine", x, y)
+
+            def mine():
+                return ps.get_tensor_model_parallel_rank(), pg_rank(1, 2), pg_group()
+
+            def group():
+                return ps.get_tensor_model_parallel_group()
+
+            def local():
+                pg_size = 3
+                return ps.get_tensor_model_parallel_world_size() * pg_size
+        """,
+    }
+    expressions = [f"__import__('pkg.bound').bound.{call}()" for call in ("mine", "group", "local")]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, [
+        "(3, ('mine', 1, 2), 'util')", "'the tensor-parallel group'", "12"], strict=True)), seen
