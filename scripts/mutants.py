@@ -1351,7 +1351,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate threads only the functions that read: a read-less caller (MegatronOptimizer.get_grad_norm "
         "above param_is_not_gtp_duplicate) gets no parameter, so no caller above can pass one (issue 40)",
         file="pgregistry/migrate/_engine.py",
-        find="upward = thread_upward(index, contents, {**threaded, **methods}, packages, name)",
+        find="upward = thread_upward(\n"
+        "            index, contents, {**threaded, **methods}, packages, name, tree_facts.dropping\n        )",
         replace="upward = Upward()",
         tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
                "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read",
@@ -1496,14 +1497,6 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_side_by_side.py::test_a_function_that_calls_locals_gets_no_parameter",),
     ),
     Mutant(
-        name="migrate-threads-upward-a-function-calling-locals",
-        bug="migrate threads upward a function that calls locals(): what locals() returns holds the new parameter",
-        file="pgregistry/migrate/_upward.py",
-        find="        or definition.calls_locals\n",
-        replace="",
-        tests=("tests/migrate/test_migrate_side_by_side.py::test_a_function_that_calls_locals_gets_no_parameter",),
-    ),
-    Mutant(
         name="migrate-helper-name-shadowed",
         bug="migrate calls the fallback helper by its own name in a file that binds that name (a local pg_size, a "
         "def pg_rank, an imported pg_group): the rewritten read calls the file's, or the file's calls the helper",
@@ -1513,6 +1506,18 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(
             "tests/migrate/test_migrate_side_by_side.py::"
             "test_a_file_that_binds_a_helpers_name_calls_the_helper_by_another",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-through-a-fixed-wrapper",
+        bug="migrate gives the parameter to a function whose decorator's wrapper takes no **kwargs (def "
+        "wrapper(x)): every caller holding a collection passes pg_collection= and gets a TypeError",
+        file="pgregistry/migrate/_plan.py",
+        find="    decorated = _matching_decorator(function.node, tuple(facts.dropping))",
+        replace="    decorated = None",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_whose_decorator_takes_no_keywords_is_not_passed_one",
         ),
     ),
     Mutant(

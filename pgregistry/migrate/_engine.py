@@ -690,7 +690,9 @@ def _run_migration(
         if s.scope != MODULE_SCOPE
         for part in s.scope.split(".")
     }
-    facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
+    facts = tree_facts = learn_tree(
+        contents, scoped, name, state_modules=config.modules, modules=modules
+    )
     makers = [
         partial(
             _Worker,
@@ -732,7 +734,9 @@ def _run_migration(
         threaded.update({key: value for first in firsts for key, value in first.threaded.items()})
         packages = {p: d for p, d in contents.items() if p.endswith("__init__.py")}
         methods = {key: value for first in firsts for key, value in first.methods.items()}
-        upward = thread_upward(index, contents, {**threaded, **methods}, packages, name)
+        upward = thread_upward(
+            index, contents, {**threaded, **methods}, packages, name, tree_facts.dropping
+        )
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
         # A class is called as a function is: its instantiations pass the collection to its threaded
         # __init__, and those of the subclasses that inherit that __init__ unchanged or forward to

@@ -1216,6 +1216,12 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
     decorated = _matching_decorator(function.node, FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
+    decorated = _matching_decorator(function.node, tuple(facts.dropping))
+    if decorated is not None:
+        return (
+            f"decorated with @{decorated}, whose wrapper takes no **kwargs: "
+            "a caller's collection would not reach it"
+        )
     name = function.node.name.value
     if name.startswith("__") and name.endswith("__") and name not in _CALLED_BY_CODE:
         return f"special method {name}: Python calls it with its own arguments"

@@ -5,7 +5,8 @@ value or exception must be the original's (the oracle is the original tree).
 Found by the hostile audit of the rewrite (docs/reliability.md, "Hostile audit of the rewrite"): an import of
 ``parallel_state`` in a ``try`` whose handler sets a flag went with the reads; an import another module reaches
 went too; a function calling ``locals()`` returned the new parameter in it; a file binding a helper's name
-(``pg_size = group.size()``) called its own where it meant the helper, or the helper where it meant its own."""
+(``pg_size = group.size()``) called its own where it meant the helper, or the helper where it meant its own; a
+function whose decorator's wrapper takes no ``**kwargs`` was passed the keyword, a ``TypeError`` at every call."""
 
 from __future__ import annotations
 
@@ -221,3 +222,58 @@ def test_a_file_that_binds_a_helpers_name_calls_the_helper_by_another(tmp_path: 
     seen = _side_by_side(tmp_path, files, expressions)
     assert seen == dict(zip(expressions, [
         "(3, ('mine', 1, 2), 'util')", "'the tensor-parallel group'", "12"], strict=True)), seen
+
+
+def test_a_function_whose_decorator_takes_no_keywords_is_not_passed_one(tmp_path: Path) -> None:
+    """A decorator of the tree whose wrapper takes fixed arguments (a function, a factory's, a class's
+    ``__call__``) would get ``pg_collection=`` from every caller that holds a collection; so would one on a
+    function threaded upward (it reads nothing, but calls one that does)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/decorated.py": """
+            from megatron.core import parallel_state as ps
+
+            def once(fn):
+                def wrapper(x):
+                    return fn(x)
+                return wrapper
+
+            def repeat(times):
+                def decorate(fn):
+                    def wrapper(x):
+                        return [fn(x) for _ in range(times)]
+                    return wrapper
+                return decorate
+
+            class Traced:
+                def __init__(self, fn):
+                    self.fn = fn
+
+                def __call__(self, x):
+                    return self.fn(x)
+
+            @once
+            def plain(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            @repeat(2)
+            def factory(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            @Traced
+            def traced(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            def reads(x):
+                return x + ps.get_tensor_model_parallel_world_size()
+
+            @once
+            def above(x):
+                return reads(x)
+
+            def caller(pg_collection=None):
+                return plain(1), factory(1), traced(1), above(1)
+        """,
+    }
+    expression = "__import__('pkg.decorated').decorated.caller()"
+    assert _side_by_side(tmp_path, files, [expression]) == {expression: "(4, [4, 4], 4, 5)"}
