@@ -1521,6 +1521,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-threads-a-name-bound-twice",
+        bug="migrate gives the parameter to one def of a name the module binds twice (if HAVE_TE: def f ... else: "
+        "def f; f = wrap(f)): callers pass pg_collection= to the other, a TypeError (get_fp8_context without TE)",
+        file="pgregistry/migrate/_plan.py",
+        find="    if owner in rebound:",
+        replace="    if False:",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::test_a_name_bound_twice_at_module_level_is_not_passed_one",
+        ),
+    ),
+    Mutant(
         name="allowlist-link-replaced-by-a-copy",
         bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
         "named keeps the old list; a link out of the project is written through",

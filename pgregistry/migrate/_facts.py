@@ -170,6 +170,8 @@ class FileFacts:
     def_words: frozenset[bytes]
     class_line_words: frozenset[bytes]
     declared_words: frozenset[bytes]
+    #: Module-level ``def`` / ``class`` names bound more than once (:func:`names_bound_twice`).
+    rebound: frozenset[str] = frozenset()
     #: The names of modules this file reaches, as ``module:name`` (``module:*`` for ``import *``):
     #: see :func:`names_reached`.
     reached: frozenset[str] = frozenset()
@@ -442,19 +444,58 @@ def _spec_calls(path: str, module: str, tree: ast.Module, keyword: str) -> Itera
             yield SpecCall(path, node.lineno, module, qualname, name, annotated)
 
 
-def _statements_within(body: Sequence[ast.AST]) -> Iterator[ast.stmt]:
+def _statements_within(
+    body: Sequence[ast.AST], enter_definitions: bool = True
+) -> Iterator[ast.stmt]:
     """The statements of ``body`` and of every block in them (functions', ``except``'s, ``case``'s).
 
-    Expressions are not entered: a tenth of the nodes :func:`ast.walk` visits."""
+    Expressions are not entered: a tenth of the nodes :func:`ast.walk` visits. Without
+    ``enter_definitions``, a ``def``'s or ``class``'s body is not either (the module's own code)."""
     stack = list(body)
     while stack:
         node = stack.pop()
         if isinstance(node, ast.stmt):
             yield node
+        if not enter_definitions and isinstance(node, (*_FUNCTIONS, ast.ClassDef)):
+            continue
         for name in ("body", "orelse", "finalbody", "handlers", "cases"):
             inner = getattr(node, name, None)
             if type(inner) is list:
                 stack += inner
+
+
+def _names_assigned(targets: Sequence[ast.expr]) -> Iterator[str]:
+    """The names assignment ``targets`` bind: ``f``, ``a, *f``; not ``f.warned`` or ``f[0]``."""
+    for target in targets:
+        if isinstance(target, ast.Name):
+            yield target.id
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            yield from _names_assigned(target.elts)
+        elif isinstance(target, ast.Starred):
+            yield from _names_assigned([target.value])
+
+
+def names_bound_twice(tree: ast.Module) -> frozenset[str]:
+    """The ``def`` and ``class`` names ``tree``'s module-level code binds more than once.
+
+    In its blocks too (``if HAVE_TE: def f(x, ...) else: def f(x)``, ``try: from te import f
+    except ImportError: def f(...)``, ``def f(...)`` then ``f = wrap(f)``): a call of such a name
+    may reach another binding than the ``def`` given the parameter, one that takes no
+    ``pg_collection``, so none of them is given it."""
+    counts: Counter[str] = Counter()
+    defined: set[str] = set()
+    for node in _statements_within(tree.body, enter_definitions=False):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            counts[node.name] += 1
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            counts.update(a.asname or a.name.partition(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and not (
+            isinstance(node.value, ast.Constant) and node.value.value is None
+        ):  # ``TEFusedMLP = None`` without TE: calling it fails with or without a keyword
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            counts.update(_names_assigned(targets))
+    return frozenset(name for name in defined if counts[name] > 1)
 
 
 def names_reached(
@@ -527,7 +568,8 @@ def read_file_facts(path: str, data: bytes, tree: ast.Module, keyword: str) -> F
         def_words,
         frozenset(word for rest in _CLASS_LINE.findall(data) for word in _WORD.findall(rest)),
         frozenset(_DECLARED.findall(data)),
-        names_reached(tree, data, module, package, bound),
+        rebound=names_bound_twice(tree),
+        reached=names_reached(tree, data, module, package, bound),
     )
 
 

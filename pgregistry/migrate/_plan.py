@@ -32,6 +32,7 @@ import ast
 import builtins
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -60,7 +61,7 @@ from pgregistry._source.scanner import (
     absolute_module,
     attribute_chain,
 )
-from pgregistry.migrate._facts import spec_field_of_call
+from pgregistry.migrate._facts import names_bound_twice, spec_field_of_call
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
     definition_span,
@@ -1211,8 +1212,18 @@ def _autograd_shaped(function: Function) -> bool:
     return static and bool(params) and params[0].name.value == "ctx"
 
 
-def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
-    """Why ``function`` may not get a parameter: no caller could pass it, or one would break it."""
+def _cannot_thread(
+    function: Function, classes: _Classes, facts: TreeFacts, rebound: AbstractSet[str]
+) -> str | None:
+    """Why ``function`` may not get a parameter: no caller could pass it, or one would break it.
+
+    ``rebound``: the module-level ``def`` / ``class`` names the file binds more than once."""
+    owner = function.qualname.partition(".")[0]
+    if owner in rebound:
+        return (
+            f"{owner} is bound more than once at module level (a def in each branch, or a def "
+            "and an import or assignment): a call may reach one without the parameter"
+        )
     decorated = _matching_decorator(function.node, FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
@@ -1405,7 +1416,9 @@ def plan_file(
             reads.append(Read(site, None, None, 0, reason=_site_reason(site) or "not a call"))
     taken: set[str] = set(locator.top_level) | set(locator.bindings)
     package = path.split("/")[:-1]
-    classes = _Classes(syntax or ast.parse(data), locator.bindings, package, facts)
+    module_syntax = syntax or ast.parse(data)
+    classes = _Classes(module_syntax, locator.bindings, package, facts)
+    rebound = names_bound_twice(module_syntax)
     collections = facts.collections_of(path)
     #: An autograd Function's ctx is made by torch for each call: it holds only what this file
     #: stores on it (another file's ``ctx.pg_collection``, even of a declared field name, says
@@ -1493,7 +1506,7 @@ def plan_file(
                 read.way, read.reason = Way.LEFT, found
                 continue
         if found is None:
-            why = _cannot_thread(root, classes, facts)
+            why = _cannot_thread(root, classes, facts, rebound)
             if why is not None:
                 read.way, read.reason = (
                     Way.LEFT,

@@ -120,7 +120,10 @@ def thread_upward(
             parsed.add(facts.path)
             read += facts.definitions
             eligible.update(
-                d for d in facts.definitions if _may_be_threaded(d, facts.binds_keyword, dropping)
+                d
+                for d in facts.definitions
+                if _may_be_threaded(d, facts.binds_keyword, dropping)
+                and d.key[1].partition(".")[0] not in facts.rebound
             )
         for definition in read:
             definitions[definition.key] = definition

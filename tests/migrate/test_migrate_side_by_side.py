@@ -6,7 +6,8 @@ Found by the hostile audit of the rewrite (docs/reliability.md, "Hostile audit o
 ``parallel_state`` in a ``try`` whose handler sets a flag went with the reads; an import another module reaches
 went too; a function calling ``locals()`` returned the new parameter in it; a file binding a helper's name
 (``pg_size = group.size()``) called its own where it meant the helper, or the helper where it meant its own; a
-function whose decorator's wrapper takes no ``**kwargs`` was passed the keyword, a ``TypeError`` at every call."""
+function whose decorator's wrapper takes no ``**kwargs`` was passed the keyword, a ``TypeError`` at every call; so
+was a function defined once more at module level (``if HAVE_TE: def f ... else: def f``)."""
 
 from __future__ import annotations
 
@@ -277,3 +278,57 @@ def test_a_function_whose_decorator_takes_no_keywords_is_not_passed_one(tmp_path
     }
     expression = "__import__('pkg.decorated').decorated.caller()"
     assert _side_by_side(tmp_path, files, [expression]) == {expression: "(4, [4, 4], 4, 5)"}
+
+
+def test_a_name_bound_twice_at_module_level_is_not_passed_one(tmp_path: Path) -> None:
+    """``if``/``else`` and ``try``/``except ImportError`` definitions of one name (Megatron-Core's ``get_fp8_context``
+    with and without Transformer Engine), a class defined in both branches, and a ``def`` rebound to a wrapper: the
+    branch that runs may be the ``def`` without the parameter, which a caller holding a collection would pass."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/branches.py": """
+            from megatron.core import parallel_state as ps
+
+            HAVE_TE = False
+
+            if HAVE_TE:
+                def context(x):
+                    return x + ps.get_tensor_model_parallel_rank()
+            else:
+                def context(x):
+                    return x
+
+            try:
+                import transformer_engine_that_is_not_installed
+                def fused(x):
+                    return x + ps.get_tensor_model_parallel_rank()
+            except ImportError:
+                def fused(x):
+                    return -x
+
+            if HAVE_TE:
+                class Linear:
+                    def __init__(self, x):
+                        self.size = x + ps.get_tensor_model_parallel_world_size()
+            else:
+                class Linear:
+                    def __init__(self, x):
+                        self.size = x
+
+            def reads(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            def positional_only(fn):
+                return lambda x: fn(x)
+
+            reads = positional_only(reads)
+
+            def once(x):
+                return x + ps.get_tensor_model_parallel_world_size()
+
+            def caller(pg_collection=None):
+                return context(1), fused(1), Linear(1).size, reads(1), once(1)
+        """,
+    }
+    expression = "__import__('pkg.branches').branches.caller()"
+    assert _side_by_side(tmp_path, files, [expression]) == {expression: "(1, -1, 1, 4, 5)"}
