@@ -327,22 +327,23 @@ def classify_uses(
 
 #: A decorator line's dotted name.
 _DECORATOR = re.compile(rb"^[ \t]*@[ \t]*([A-Za-z_][\w.]*)", re.M)
-_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_FUNCTION_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_NESTED = (*_FUNCTION_DEFS, ast.Lambda)
 
 
 def _drops_keywords(node: ast.stmt) -> bool:
-    """Whether decorator ``node`` (a module-level ``def`` or ``class``) may call what it wraps
-    without a keyword its caller passed.
+    """Whether decorator ``node`` may call what it wraps without a keyword its caller passed.
 
-    A function's wrappers are its innermost nested functions (a decorator factory's middle layer is
-    none): each must take ``**kwargs``. A class's ``__call__`` must. A function with no nested one
-    (``return fn``, a registry) passes the call through untouched."""
+    ``node``: a module-level ``def`` or ``class``. A function's wrappers are its innermost nested
+    functions (a decorator factory's middle layer is none): each must take ``**kwargs``. A class's
+    ``__call__`` must. A function with no nested one (``return fn``, a registry) passes the call
+    through untouched."""
     if isinstance(node, ast.ClassDef):
         call = next(
-            (m for m in node.body if isinstance(m, _NESTED[:2]) and m.name == "__call__"), None
+            (m for m in node.body if isinstance(m, _FUNCTION_DEFS) and m.name == "__call__"), None
         )
         return call is not None and call.args.kwarg is None
-    if not isinstance(node, _NESTED[:2]):
+    if not isinstance(node, _FUNCTION_DEFS):
         return False
     nested = [n for n in ast.walk(node) if isinstance(n, _NESTED) and n is not node]
     wrappers = [
