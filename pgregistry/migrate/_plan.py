@@ -554,6 +554,16 @@ class _Locator(cst.CSTVisitor):
         if self.current is not None:
             self.current.names.add(node.value)
 
+    def _at_the_top_of(self, function: Function) -> bool:
+        """Whether the statement visited is one of ``function``'s own top-level simple statements.
+
+        Not one in a block of it (``if flag: pg_collection = build()``, a loop, a ``try``, a
+        ``with``): a binding there may not have run above a later statement, which would then raise
+        ``UnboundLocalError`` reading it where the original code read the global state."""
+        return len(self.statement) == 2 and isinstance(
+            function.node.body.body[self.statement[-1]], cst.SimpleStatementLine
+        )
+
     def _record_binding(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
         if (
@@ -566,7 +576,7 @@ class _Locator(cst.CSTVisitor):
                 (
                     target.value,
                     self.statement[-1]
-                    if len(self.statement) == 2
+                    if self._at_the_top_of(function)
                     else len(function.node.body.body),
                 )
             )  # bound in a block: not known above a read
@@ -576,7 +586,7 @@ class _Locator(cst.CSTVisitor):
                 function.builder_class = cst.Module([]).code_for_node(value.func)
             if value is not None and isinstance(value, _LITERALS):
                 function.local_other = True
-            elif len(self.statement) == 2 and value is not None:
+            elif self._at_the_top_of(function) and value is not None:
                 function.local_at.append(self.statement[-1])
             else:
                 function.local_other = (

@@ -7,7 +7,8 @@ Found by the hostile audit of the rewrite (docs/reliability.md, "Hostile audit o
 went too; a function calling ``locals()`` returned the new parameter in it; a file binding a helper's name
 (``pg_size = group.size()``) called its own where it meant the helper, or the helper where it meant its own; a
 function whose decorator's wrapper takes no ``**kwargs`` was passed the keyword, a ``TypeError`` at every call; so
-was a function defined once more at module level (``if HAVE_TE: def f ... else: def f``)."""
+was a function defined once more at module level (``if HAVE_TE: def f ... else: def f``); a local collection
+assigned in a branch was read, or passed, where the branch had not run (``UnboundLocalError``)."""
 
 from __future__ import annotations
 
@@ -332,3 +333,42 @@ def test_a_name_bound_twice_at_module_level_is_not_passed_one(tmp_path: Path) ->
     }
     expression = "__import__('pkg.branches').branches.caller()"
     assert _side_by_side(tmp_path, files, [expression]) == {expression: "(1, -1, 1, 4, 5)"}
+
+
+def test_a_local_collection_assigned_in_a_block_is_not_read_where_the_block_did_not_run(tmp_path: Path) -> None:
+    """``if flag: pg_collection = build()``, one in a ``try``: a read or a call below runs whether or not the
+    binding did, so neither reads the local (the function is given the parameter under another name)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/blocks.py": """
+            from megatron.core import parallel_state as ps
+
+            def reads(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            def read_below(build, flag):
+                if flag:
+                    pg_collection = build()
+                return ps.get_tensor_model_parallel_rank()
+
+            def call_below(build, flag):
+                if flag:
+                    pg_collection = build()
+                return reads(1)
+
+            def call_after_try(build):
+                try:
+                    pg_collection = build()
+                except ValueError:
+                    pass
+                return reads(1)
+
+            def fails():
+                raise ValueError("no collection")
+        """,
+    }
+    blocks = "__import__('pkg.blocks').blocks"
+    expressions = [f"{blocks}.read_below(None, False)", f"{blocks}.call_below(None, False)",
+                   f"{blocks}.call_after_try({blocks}.fails)"]
+    assert _side_by_side(tmp_path, files, expressions) == dict.fromkeys(expressions[:1], "3") | dict.fromkeys(
+        expressions[1:], "4")
