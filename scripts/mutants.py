@@ -1351,7 +1351,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate threads only the functions that read: a read-less caller (MegatronOptimizer.get_grad_norm "
         "above param_is_not_gtp_duplicate) gets no parameter, so no caller above can pass one (issue 40)",
         file="pgregistry/migrate/_engine.py",
-        find="upward = thread_upward(index, contents, {**threaded, **methods}, packages, name)",
+        find="upward = thread_upward(\n"
+        "            index, contents, {**threaded, **methods}, packages, name, tree_facts.dropping\n        )",
         replace="upward = Upward()",
         tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
                "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read",
@@ -1464,6 +1465,71 @@ MUTANTS: tuple[Mutant, ...] = (
         find="return module.code + self.dropped_ending",
         replace="return module.code",
         tests=("tests/migrate/test_migrate_files.py::test_the_last_line_ending_is_kept_whatever_the_line_endings",),
+    ),
+    Mutant(
+        name="migrate-drops-a-guarded-import",
+        bug="migrate drops an import of parallel_state in a try (or with) the rewrite left unused: the handler's "
+        "flag (HAVE_MCORE = False) says Megatron-Core is there where it is not",
+        file="pgregistry/migrate/_rewrite.py",
+        find="        if self.guards:\n            return list(names)\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_side_by_side.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
+    ),
+    Mutant(
+        name="migrate-drops-a-reexported-import",
+        bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
+        "m import get_x, m.get_x, import *, __all__): that module's import fails",
+        file="pgregistry/migrate/_rewrite.py",
+        find='if name not in reached and ("*" not in reached or name.startswith("_"))',
+        replace="if True",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_name_another_module_imports_from_a_rewritten_one_stays",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-a-function-calling-locals",
+        bug="migrate gives a function that calls locals() the collection's parameter: what locals() returns (a "
+        "config captured from the arguments) holds it too",
+        file="pgregistry/migrate/_plan.py",
+        find="    if CALLS_LOCALS in function.names:\n        return LOCALS_REASON\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_side_by_side.py::test_a_function_that_calls_locals_gets_no_parameter",),
+    ),
+    Mutant(
+        name="migrate-helper-name-shadowed",
+        bug="migrate calls the fallback helper by its own name in a file that binds that name (a local pg_size, a "
+        "def pg_rank, an imported pg_group): the rewritten read calls the file's, or the file's calls the helper",
+        file="pgregistry/migrate/_rewrite.py",
+        find="    rewriter = _Rewriter(plan, replace(target, aliases=aliases) if aliases else target, width)",
+        replace="    rewriter = _Rewriter(plan, target, width)",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_file_that_binds_a_helpers_name_calls_the_helper_by_another",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-through-a-fixed-wrapper",
+        bug="migrate gives the parameter to a function whose decorator's wrapper takes no **kwargs (def "
+        "wrapper(x)): every caller holding a collection passes pg_collection= and gets a TypeError",
+        file="pgregistry/migrate/_plan.py",
+        find="    decorated = _matching_decorator(function.node, tuple(facts.dropping))",
+        replace="    decorated = None",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_whose_decorator_takes_no_keywords_is_not_passed_one",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-a-name-bound-twice",
+        bug="migrate gives the parameter to one def of a name the module binds twice (if HAVE_TE: def f ... else: "
+        "def f; f = wrap(f)): callers pass pg_collection= to the other, a TypeError (get_fp8_context without TE)",
+        file="pgregistry/migrate/_plan.py",
+        find="    if owner in rebound:",
+        replace="    if False:",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::test_a_name_bound_twice_at_module_level_is_not_passed_one",
+        ),
     ),
     Mutant(
         name="allowlist-link-replaced-by-a-copy",

@@ -258,6 +258,19 @@ class _Instruction:
     #: The ``__init__``s given the parameter to pass it on through ``super().__init__``
     #: (:mod:`._inherited`).
     forwarding: frozenset[tuple[str, str]] = frozenset()
+    #: Module -> the names of it the tree reaches (:func:`._facts.names_reached`): its imports stay.
+    reached: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    def names_reached_in(self, module: str) -> frozenset[str]:
+        """The names of ``module`` the tree reaches (``*``: any of its public names).
+
+        Looked up under each dotted tail of ``module`` too (``pkg.k`` for ``src.pkg.k``): a path's
+        module and an import's need not start alike, and a name kept for nothing only keeps an
+        import."""
+        parts = module.split(".")
+        return frozenset().union(
+            *(self.reached.get(".".join(parts[start:]), ()) for start in range(len(parts)))
+        )
 
     def names(self) -> set[str]:
         """The names of the functions and methods a caller may now pass a collection to.
@@ -526,18 +539,22 @@ class _Worker:
             self.progress("rewriting", rewritten, len(plans))
             done.reads += [(plan.path, replace(r, call=None, function=None)) for r in plan.reads]
             done.threaded += [f"{plan.path}: {f.qualname}" for f in plan.functions if f.added]
-            result = self._rewrite_and_compile(plan)
+            result = self._rewrite_and_compile(plan, instruction.names_reached_in(plan.module))
             if isinstance(result, FileResult):
                 done.failures.append(result)
             elif result is not None:
                 done.changes.append((plan.path, result))
 
-    def _rewrite_and_compile(self, plan: FilePlan) -> bytes | FileResult | None:
-        """The file's new bytes (None: unchanged), checked to compile."""
+    def _rewrite_and_compile(
+        self, plan: FilePlan, reached: AbstractSet[str]
+    ) -> bytes | FileResult | None:
+        """The file's new bytes (None: unchanged), checked to compile.
+
+        ``reached``: the names of the file's module that the tree reaches (its imports stay)."""
         assert plan.data is not None
         data = plan.data
         try:
-            text = apply_rewrites(plan, self.idiom, self.width)
+            text = apply_rewrites(plan, self.idiom, self.width, reached)
             after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
             return _internal_error(plan.path, error)
@@ -673,7 +690,9 @@ def _run_migration(
         if s.scope != MODULE_SCOPE
         for part in s.scope.split(".")
     }
-    facts = learn_tree(contents, scoped, name, state_modules=config.modules, modules=modules)
+    facts = tree_facts = learn_tree(
+        contents, scoped, name, state_modules=config.modules, modules=modules
+    )
     makers = [
         partial(
             _Worker,
@@ -715,7 +734,9 @@ def _run_migration(
         threaded.update({key: value for first in firsts for key, value in first.threaded.items()})
         packages = {p: d for p, d in contents.items() if p.endswith("__init__.py")}
         methods = {key: value for first in firsts for key, value in first.methods.items()}
-        upward = thread_upward(index, contents, {**threaded, **methods}, packages, name)
+        upward = thread_upward(
+            index, contents, {**threaded, **methods}, packages, name, tree_facts.dropping
+        )
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
         # A class is called as a function is: its instantiations pass the collection to its threaded
         # __init__, and those of the subclasses that inherit that __init__ unchanged or forward to
@@ -730,7 +751,18 @@ def _run_migration(
             index, contents, threaded, name, add_reexported_names(subclasses.classes, packages)
         )
         outcome.spec_calls_left += spec_fields.left
-        instruction = _Instruction(threaded, upward, spec_fields, subclasses.forwarding)
+        reached: dict[str, set[str]] = {}
+        for found in index.files.values():
+            for entry in found.reached:
+                module, _, reached_name = entry.partition(":")
+                reached.setdefault(module, set()).add(reached_name)
+        instruction = _Instruction(
+            threaded,
+            upward,
+            spec_fields,
+            subclasses.forwarding,
+            {module: frozenset(names) for module, names in reached.items()},
+        )
         return [instruction] * len(firsts)
 
     try:

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pgregistry._source.scanner import attribute_chain, module_name
+from pgregistry._source.scanner import absolute_module, attribute_chain, module_name
 from pgregistry.migrate._imports import import_bindings
 
 __all__ = [
@@ -61,6 +61,9 @@ _WORD = re.compile(rb"\w+")
 _DECLARED = re.compile(rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:", re.M)
 #: A call of a spec's field: ``submodules.X(`` or ``build_module(<...>submodules.X``.
 _SPEC_CALL = re.compile(rb"submodules\.([A-Za-z_]\w*)\s*[(,)]")  # a literal first: searched fast
+
+#: A dotted name in the text (``a.b.c``, written without spaces around its dots).
+_DOTTED = re.compile(rb"[A-Za-z_][\w.]*\.[\w.]*")
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -108,6 +111,8 @@ class DefinitionFacts:
     names_keyword: bool
     holds: bool
     calls: frozenset[CallTarget]
+    #: Whether it (or a function nested in it) calls ``locals()``: a new parameter would show there.
+    calls_locals: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,11 @@ class FileFacts:
     def_words: frozenset[bytes]
     class_line_words: frozenset[bytes]
     declared_words: frozenset[bytes]
+    #: Module-level ``def`` / ``class`` names bound more than once (:func:`names_bound_twice`).
+    rebound: frozenset[str] = frozenset()
+    #: The names of modules this file reaches, as ``module:name`` (``module:*`` for ``import *``):
+    #: see :func:`names_reached`.
+    reached: frozenset[str] = frozenset()
 
 
 def _def_names(data: bytes) -> tuple[frozenset[bytes], dict[str, int]]:
@@ -355,9 +365,10 @@ def _definitions_with_calls(
         else:
             continue
         for node, qualname, method, holds in members:
+            within = list(_calls_within(node))
             calls = frozenset(
                 target
-                for call in _calls_within(node)
+                for call in within
                 for target in [_call_target(call, module, functions, bound, keyword)]
                 if target is not None
             )
@@ -369,6 +380,7 @@ def _definitions_with_calls(
                 name in definition_text(node),
                 holds,
                 calls,
+                any(type(c.func) is ast.Name and c.func.id == "locals" for c in within),
             )
 
 
@@ -432,12 +444,102 @@ def _spec_calls(path: str, module: str, tree: ast.Module, keyword: str) -> Itera
             yield SpecCall(path, node.lineno, module, qualname, name, annotated)
 
 
+def _statements_within(
+    body: Sequence[ast.AST], enter_definitions: bool = True
+) -> Iterator[ast.stmt]:
+    """The statements of ``body`` and of every block in them (functions', ``except``'s, ``case``'s).
+
+    Expressions are not entered: a tenth of the nodes :func:`ast.walk` visits. Without
+    ``enter_definitions``, a ``def``'s or ``class``'s body is not either (the module's own code)."""
+    stack = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.stmt):
+            yield node
+        if not enter_definitions and isinstance(node, (*_FUNCTIONS, ast.ClassDef)):
+            continue
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, name, None)
+            if type(inner) is list:
+                stack += inner
+
+
+def _names_assigned(targets: Sequence[ast.expr]) -> Iterator[str]:
+    """The names assignment ``targets`` bind: ``f``, ``a, *f``; not ``f.warned`` or ``f[0]``."""
+    for target in targets:
+        if isinstance(target, ast.Name):
+            yield target.id
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            yield from _names_assigned(target.elts)
+        elif isinstance(target, ast.Starred):
+            yield from _names_assigned([target.value])
+
+
+def names_bound_twice(tree: ast.Module) -> frozenset[str]:
+    """The ``def`` and ``class`` names ``tree``'s module-level code binds more than once.
+
+    In its blocks too (``if HAVE_TE: def f(x, ...) else: def f(x)``, ``try: from te import f
+    except ImportError: def f(...)``, ``def f(...)`` then ``f = wrap(f)``): a call of such a name
+    may reach another binding than the ``def`` given the parameter, one that takes no
+    ``pg_collection``, so none of them is given it."""
+    counts: Counter[str] = Counter()
+    defined: set[str] = set()
+    for node in _statements_within(tree.body, enter_definitions=False):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            counts[node.name] += 1
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            counts.update(a.asname or a.name.partition(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and not (
+            isinstance(node.value, ast.Constant) and node.value.value is None
+        ):  # ``TEFusedMLP = None`` without TE: calling it fails with or without a keyword
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            counts.update(_names_assigned(targets))
+    return frozenset(name for name in defined if counts[name] > 1)
+
+
+def names_reached(
+    tree: ast.Module, data: bytes, module: str, package: list[str], bound: Mapping[str, str]
+) -> frozenset[str]:
+    """The names of modules ``tree`` (of bytes ``data``) reaches, as ``module:name``.
+
+    Those its imports name, in a function too (``from m import x``; ``m:*`` for ``from m import
+    *``), the attributes it reads of a module its module-level imports bind (``m.x``; ``a.b.m.x``
+    after ``import a.b.m``: ``a:b``, ``a.b:m`` and ``a.b.m:x``; found in the text, written without
+    spaces or a line break around a dot, a comment's counting too), and the names its own
+    ``__all__`` lists (``module:x``). An import the rewrite of a file leaves unused stays where one
+    of these reaches it: removing it would break ``from m import x`` elsewhere."""
+    reached = {
+        f"{absolute_module(node.module, node.level, package)}:{alias.name}"
+        for node in _statements_within(tree.body)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    for found in set(_DOTTED.findall(data)) if bound else ():
+        head, *rest = (part.decode() for part in found.split(b".") if part)
+        module_bound = bound.get(head)
+        if module_bound is not None:
+            parts = [*module_bound.replace(":", ".").split("."), *rest]
+            reached.update(f"{'.'.join(parts[:end])}:{parts[end]}" for end in range(1, len(parts)))
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                reached.update(
+                    f"{module}:{n.value}"
+                    for n in ast.walk(node.value)
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                )
+    return frozenset(reached)
+
+
 def read_file_facts(path: str, data: bytes, tree: ast.Module, keyword: str) -> FileFacts:
     """The facts of file ``path`` for the collection's parameter name ``keyword``.
 
     ``data``: its bytes, parsed as ``tree``."""
     module = ".".join(module_name(path))
-    bound = import_bindings(tree, path.split("/")[:-1])
+    package = path.split("/")[:-1]
+    bound = import_bindings(tree, package)
     tops = [top for top in (_top_level(node, keyword) for node in tree.body) if top is not None]
     functions = frozenset(top.name for top in tops if not top.is_class)
     binds_keyword = (
@@ -466,6 +568,8 @@ def read_file_facts(path: str, data: bytes, tree: ast.Module, keyword: str) -> F
         def_words,
         frozenset(word for rest in _CLASS_LINE.findall(data) for word in _WORD.findall(rest)),
         frozenset(_DECLARED.findall(data)),
+        rebound=names_bound_twice(tree),
+        reached=names_reached(tree, data, module, package, bound),
     )
 
 

@@ -21,6 +21,8 @@ falling back as the shim read it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
@@ -28,7 +30,7 @@ import libcst as cst
 from pgregistry._source.scanner import HELPER
 from pgregistry.migrate._plan import Read, Way
 
-__all__ = ["HELPERS", "TARGETS", "Idiom", "idiom_of_target"]
+__all__ = ["HELPERS", "TARGETS", "Idiom", "helper_aliases", "idiom_of_target"]
 
 #: The helper's functions: the kinds with one of their own, and ``pg_read`` for the others.
 HELPERS = {"group": "pg_group", "rank": "pg_rank", "size": "pg_size"}
@@ -47,10 +49,26 @@ class Idiom:
 
     module: str
     megatron_fallback: bool
+    #: (helper's name, the name a file calls it by) where the file binds the helper's name itself
+    #: (``pg_size = group.size()``): see :func:`helper_aliases`.
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def call_name(self, helper: str) -> str:
+        """The name the file calls ``helper`` by."""
+        return dict(self.aliases).get(helper, helper)
 
     def imports(self, code: str) -> list[tuple[str, str]]:
-        """The ``from module import name`` pairs ``code`` (a replacement) needs."""
-        return [(self.module, name) for name in (*HELPERS.values(), _READ) if f"{name}(" in code]
+        """The ``from module import name`` pairs ``code`` (a replacement) needs.
+
+        An aliased helper's name is ``helper as alias``."""
+        return [
+            (
+                self.module,
+                name if self.call_name(name) == name else f"{name} as {self.call_name(name)}",
+            )
+            for name in (*HELPERS.values(), _READ)
+            if f"{self.call_name(name)}(" in code
+        ]
 
     def _read_code(self, read: Read, field: str, forwarded: str) -> str:
         assert read.choice is not None
@@ -63,7 +81,7 @@ class Idiom:
             kind = "group_if_none"
         function = HELPERS.get(kind)
         arguments = f'{read.collection}, "{field}"' + ("" if function else f', "{kind}"')
-        return f"{function or _READ}({arguments}{forwarded})"
+        return f"{self.call_name(function or _READ)}({arguments}{forwarded})"
 
     def field_read(self, collection: str, field: str, keywords: dict[str, object]) -> str:
         """A dissolved shim's read of ``field`` (:mod:`._shims`): its group, else the shim's getter.
@@ -73,7 +91,7 @@ class Idiom:
         forwarded = (
             "".join(f", {k}={v!r}" for k, v in keywords.items()) if self.megatron_fallback else ""
         )
-        return f'{HELPERS["group"]}({collection}, "{field}"{forwarded})'
+        return f'{self.call_name(HELPERS["group"])}({collection}, "{field}"{forwarded})'
 
     def replacement(self, read: Read) -> tuple[str, bool]:
         """(code, whether it is a conditional that needs parentheses where it is an operand)."""
@@ -102,6 +120,30 @@ class Idiom:
 
 #: The targets by name.
 TARGETS = ("megatron", "pgregistry")
+_WORDS = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def helper_aliases(data: bytes, imported: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """(helper's name, the name to call it by) for each helper name the file binds itself.
+
+    ``data``: the file's bytes; ``imported``: the names its module-level imports of the helper's
+    module bind -> the helper's name each stands for. A helper's name that is a word of the file
+    (``pg_size = group.size()``, ``def pg_rank(...)``, ``from utils import pg_group``) and not
+    bound by such an import means something else there: calling the helper by it would call that
+    instead, so it is called by ``_<name>`` (``_<name>_2``, ...), a word the file does not hold,
+    or by the alias an import of the helper already binds it to (a second run)."""
+    words = {word.decode() for word in _WORDS.findall(data)}
+    aliases = []
+    for helper in (*HELPERS.values(), _READ):
+        if helper not in words or imported.get(helper) == helper:
+            continue
+        bound = [alias for alias, name in imported.items() if name == helper]
+        if bound:
+            aliases.append((helper, bound[0]))
+            continue
+        candidates = (f"_{helper}", *(f"_{helper}_{i}" for i in range(2, 100)))
+        aliases.append((helper, next(c for c in candidates if c not in words)))
+    return tuple(aliases)
 
 
 def idiom_of_target(target: str, helper_module: str = "") -> Idiom:

@@ -32,6 +32,7 @@ import ast
 import builtins
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -60,7 +61,7 @@ from pgregistry._source.scanner import (
     absolute_module,
     attribute_chain,
 )
-from pgregistry.migrate._facts import spec_field_of_call
+from pgregistry.migrate._facts import names_bound_twice, spec_field_of_call
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
     definition_span,
@@ -137,6 +138,10 @@ FIXED_SIGNATURE = (
     "fuser",
 )
 COMPILERS = ("jit", "script", "compile", "fuser")
+#: A function that names it (``locals()``, ``dict(locals())``: a config captured from the
+#: arguments) would return the collection's parameter too: it gets none.
+CALLS_LOCALS = "locals"
+LOCALS_REASON = "calls locals(), which would return the new parameter too"
 #: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional
 #: arguments only).
 CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
@@ -549,6 +554,16 @@ class _Locator(cst.CSTVisitor):
         if self.current is not None:
             self.current.names.add(node.value)
 
+    def _at_the_top_of(self, function: Function) -> bool:
+        """Whether the statement visited is one of ``function``'s own top-level simple statements.
+
+        Not one in a block of it (``if flag: pg_collection = build()``, a loop, a ``try``, a
+        ``with``): a binding there may not have run above a later statement, which would then raise
+        ``UnboundLocalError`` reading it where the original code read the global state."""
+        return len(self.statement) == 2 and isinstance(
+            function.node.body.body[self.statement[-1]], cst.SimpleStatementLine
+        )
+
     def _record_binding(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
         if (
@@ -561,7 +576,7 @@ class _Locator(cst.CSTVisitor):
                 (
                     target.value,
                     self.statement[-1]
-                    if len(self.statement) == 2
+                    if self._at_the_top_of(function)
                     else len(function.node.body.body),
                 )
             )  # bound in a block: not known above a read
@@ -571,7 +586,7 @@ class _Locator(cst.CSTVisitor):
                 function.builder_class = cst.Module([]).code_for_node(value.func)
             if value is not None and isinstance(value, _LITERALS):
                 function.local_other = True
-            elif len(self.statement) == 2 and value is not None:
+            elif self._at_the_top_of(function) and value is not None:
                 function.local_at.append(self.statement[-1])
             else:
                 function.local_other = (
@@ -1207,14 +1222,32 @@ def _autograd_shaped(function: Function) -> bool:
     return static and bool(params) and params[0].name.value == "ctx"
 
 
-def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> str | None:
-    """Why ``function`` may not get a parameter: no caller could pass it, or one would break it."""
+def _cannot_thread(
+    function: Function, classes: _Classes, facts: TreeFacts, rebound: AbstractSet[str]
+) -> str | None:
+    """Why ``function`` may not get a parameter: no caller could pass it, or one would break it.
+
+    ``rebound``: the module-level ``def`` / ``class`` names the file binds more than once."""
+    owner = function.qualname.partition(".")[0]
+    if owner in rebound:
+        return (
+            f"{owner} is bound more than once at module level (a def in each branch, or a def "
+            "and an import or assignment): a call may reach one without the parameter"
+        )
     decorated = _matching_decorator(function.node, FIXED_SIGNATURE)
     if decorated is not None:
         return f"decorated with @{decorated}, which a new parameter would break"
+    decorated = _matching_decorator(function.node, tuple(facts.dropping))
+    if decorated is not None:
+        return (
+            f"decorated with @{decorated}, whose wrapper takes no **kwargs: "
+            "a caller's collection would not reach it"
+        )
     name = function.node.name.value
     if name.startswith("__") and name.endswith("__") and name not in _CALLED_BY_CODE:
         return f"special method {name}: Python calls it with its own arguments"
+    if CALLS_LOCALS in function.names:
+        return LOCALS_REASON
     method_of = function.method_of
     if (
         method_of is not None
@@ -1240,6 +1273,18 @@ def _cannot_thread(function: Function, classes: _Classes, facts: TreeFacts) -> s
                 f"outside the tree, and the tree never calls {name} by name"
             )
     return None
+
+
+def _closure_calls_locals(function: Function, root: Function) -> bool:
+    """Whether ``function`` or a function between it and ``root`` calls ``locals()``.
+
+    Each would read the collection as a closure, which ``locals()`` then returns too."""
+    inner: Function | None = function
+    while inner is not None and inner is not root:
+        if CALLS_LOCALS in inner.names:
+            return True
+        inner = inner.parent
+    return False
 
 
 def _free_name(function: Function, name: str, taken: set[str], spare: tuple[str, ...] = ()) -> str:
@@ -1381,7 +1426,9 @@ def plan_file(
             reads.append(Read(site, None, None, 0, reason=_site_reason(site) or "not a call"))
     taken: set[str] = set(locator.top_level) | set(locator.bindings)
     package = path.split("/")[:-1]
-    classes = _Classes(syntax or ast.parse(data), locator.bindings, package, facts)
+    module_syntax = syntax or ast.parse(data)
+    classes = _Classes(module_syntax, locator.bindings, package, facts)
+    rebound = names_bound_twice(module_syntax)
     collections = facts.collections_of(path)
     #: An autograd Function's ctx is made by torch for each call: it holds only what this file
     #: stores on it (another file's ``ctx.pg_collection``, even of a declared field name, says
@@ -1461,12 +1508,15 @@ def plan_file(
         if (
             found is None and root is not function
         ):  # the enclosing function's collection, as a closure
+            if _closure_calls_locals(function, root):
+                read.way, read.reason = Way.LEFT, LOCALS_REASON
+                continue
             found = _enclosing_collection(function, root, locator.attributes, name, chains)
             if isinstance(found, str):
                 read.way, read.reason = Way.LEFT, found
                 continue
         if found is None:
-            why = _cannot_thread(root, classes, facts)
+            why = _cannot_thread(root, classes, facts, rebound)
             if why is not None:
                 read.way, read.reason = (
                     Way.LEFT,

@@ -14,10 +14,12 @@ import ast
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import replace
 
 import libcst as cst
 
-from pgregistry.migrate._idioms import Idiom
+from pgregistry.migrate._idioms import Idiom, helper_aliases
 from pgregistry.migrate._layout import (
     split_argument_line,
     split_arguments,
@@ -61,13 +63,43 @@ class _Prune(cst.CSTTransformer):
     ``pass`` left in its place, and the comments above it go onto the statement after it: they say
     what that code does. Not libcst's ``RemoveImportsVisitor``: it needs a ``ScopeProvider``
     analysis of each file (here the unused names come from one :mod:`ast` count) and drops a
-    statement's comments with it."""
+    statement's comments with it.
+
+    An import inside a ``try`` or ``with`` statement stays: whether it fails is what the handler
+    (``except ImportError: HAVE_MCORE = False``) or the context manager (``suppress``) sees, so
+    dropping it would change what the module computes where Megatron-Core is not installed."""
 
     def __init__(self, unused: set[str]) -> None:
         super().__init__()
         self.unused = unused
         #: A statement dropped (by id of the original node) -> the comment lines above it.
         self.dropped: dict[int, list[cst.EmptyLine]] = {}
+        #: How many ``try`` / ``with`` statements hold the node visited.
+        self.guards = 0
+
+    def visit_Try(self, node: cst.Try) -> bool:
+        self.guards += 1
+        return True
+
+    def leave_Try(self, original: cst.Try, updated: cst.Try) -> cst.Try:
+        self.guards -= 1
+        return updated
+
+    def visit_TryStar(self, node: cst.TryStar) -> bool:
+        self.guards += 1
+        return True
+
+    def leave_TryStar(self, original: cst.TryStar, updated: cst.TryStar) -> cst.TryStar:
+        self.guards -= 1
+        return updated
+
+    def visit_With(self, node: cst.With) -> bool:
+        self.guards += 1
+        return True
+
+    def leave_With(self, original: cst.With, updated: cst.With) -> cst.With:
+        self.guards -= 1
+        return updated
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
@@ -85,6 +117,8 @@ class _Prune(cst.CSTTransformer):
         return _comments_kept(original, updated, self.dropped)
 
     def _drop_unused_aliases(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
+        if self.guards:
+            return list(names)
         kept = [alias for alias in names if bound_name(alias) not in self.unused]
         if kept and len(kept) < len(names):  # the last one's comma (a trailing one, or none)
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
@@ -520,13 +554,32 @@ def _from_import(module: str, names: Sequence[str], width: int) -> cst.BaseState
 
 
 def _from_import_names(statement: cst.BaseStatement) -> tuple[str, list[str]] | None:
-    """(module, names bound) of a module-level ``from M import names`` statement standing alone."""
+    """(module, names) of a module-level ``from M import names`` statement standing alone.
+
+    A name imported under another is ``name as alias``, as :func:`_from_import` writes it."""
     if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
         return None
     small = statement.body[0]
     if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
         return None
-    return import_module_text(small), [bound_name(alias) for alias in small.names]
+    return import_module_text(small), [
+        alias.evaluated_name
+        if alias.evaluated_alias is None
+        else f"{alias.evaluated_name} as {alias.evaluated_alias}"
+        for alias in small.names
+    ]
+
+
+def _helper_bindings(module: cst.Module, helper_module: str) -> dict[str, str]:
+    """The names ``module``'s own imports of ``helper_module`` bind -> the helper's name each is."""
+    bound: dict[str, str] = {}
+    for statement in module.body:
+        found = _from_import_names(statement)
+        if found is not None and found[0] == helper_module:
+            for text in found[1]:
+                name, _, alias = text.partition(" as ")
+                bound[alias or name] = name
+    return bound
 
 
 def _with_imports(module: cst.Module, needed: list[tuple[str, str]], width: int) -> cst.Module:
@@ -669,12 +722,22 @@ def _restore_skeleton_text(plan: FilePlan, text: str) -> str:
     return restored
 
 
-def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) -> str | None:
+def apply_rewrites(
+    plan: FilePlan,
+    target: Idiom,
+    width: int = DEFAULT_WIDTH,
+    reached: AbstractSet[str] = frozenset(),
+) -> str | None:
     """The source of ``plan``'s file with its planned rewrites applied; None when none is planned.
 
-    ``width``: the tree's line length (:mod:`~pgregistry.migrate._style`)."""
+    ``width``: the tree's line length (:mod:`~pgregistry.migrate._style`). ``reached``: the names of
+    the file's module that other code reaches (``from m import x`` in another file, ``__all__``;
+    ``*``: every public name, for ``from m import *``): an import binding one stays."""
     module = plan.wrapper.module
-    rewriter = _Rewriter(plan, target, width)
+    data = plan.data if plan.data is not None else module.bytes
+    # A helper's name the file binds itself is shadowed by it, or shadows it: called by another.
+    aliases = helper_aliases(data, _helper_bindings(module, target.module))
+    rewriter = _Rewriter(plan, replace(target, aliases=aliases) if aliases else target, width)
     if (
         not rewriter.replacements
         and not rewriter.field_reads
@@ -683,7 +746,6 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
         and not rewriter.functions
     ):
         return None
-    data = plan.data if plan.data is not None else module.bytes
     render = _Renderer(module, data)
     # Only the module-level statements with a change are walked: a libcst walk rebuilds every node
     # it visits.
@@ -700,6 +762,11 @@ def apply_rewrites(plan: FilePlan, target: Idiom, width: int = DEFAULT_WIDTH) ->
         before = _count_reads_in_code(data)
         after = _count_reads_in_code(_restore_skeleton_text(plan, render.code(changed)))
         unused = {name for name, count in before.items() if count and after[name] <= 0}
+    unused = {
+        name
+        for name in unused
+        if name not in reached and ("*" not in reached or name.startswith("_"))
+    }
     if not unused:
         return _restore_skeleton_text(plan, render.code(changed))
     # An import the rewrite left unused is at module level, in a module-level block (``if

@@ -19,6 +19,7 @@ reads stay, with the reason). Pure: no I/O.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ class TreeFacts:
     fields: frozenset[str] = frozenset()
     ties: frozenset[tuple[str, str]] = frozenset()
     bases: frozenset[tuple[str, str]] = frozenset()
+    #: The names of the tree's decorators whose wrapper takes no ``**kwargs``
+    #: (:func:`keyword_dropping_decorators`).
+    dropping: frozenset[str] = frozenset()
 
     def ties_class(self, chain: str, cls: str) -> bool:
         """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``.
@@ -321,6 +325,90 @@ def classify_uses(
     return called, values - called, hooks
 
 
+#: A decorator line's dotted name.
+_DECORATOR = re.compile(rb"^[ \t]*@[ \t]*([A-Za-z_][\w.]*)", re.M)
+_FUNCTION_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_NESTED = (*_FUNCTION_DEFS, ast.Lambda)
+
+
+def _drops_keywords(node: ast.stmt) -> bool:
+    """Whether decorator ``node`` may call what it wraps without a keyword its caller passed.
+
+    ``node``: a module-level ``def`` or ``class``. A function's wrappers are its innermost nested
+    functions (a decorator factory's middle layer is none): each must take ``**kwargs``. A class's
+    ``__call__`` must. A function with no nested one (``return fn``, a registry) passes the call
+    through untouched."""
+    if isinstance(node, ast.ClassDef):
+        call = next(
+            (m for m in node.body if isinstance(m, _FUNCTION_DEFS) and m.name == "__call__"), None
+        )
+        return call is not None and call.args.kwarg is None
+    if not isinstance(node, _FUNCTION_DEFS):
+        return False
+    nested = [n for n in ast.walk(node) if isinstance(n, _NESTED) and n is not node]
+    wrappers = [
+        n for n in nested if not any(isinstance(m, _NESTED) and m is not n for m in ast.walk(n))
+    ]
+    return any(wrapper.args.kwarg is None for wrapper in wrappers)
+
+
+#: A module-level ``def`` or ``class`` line, and the name it defines.
+_TOP_LEVEL_DEFINITION = re.compile(rb"^(?:async[ \t]+)?(?:def|class)[ \t]+([A-Za-z_]\w*)", re.M)
+#: A line that starts at the margin with code (not a comment or a closing bracket).
+_AT_THE_MARGIN = re.compile(rb"^[^\s#)\]}]", re.M)
+
+
+def _parse_or_none(data: bytes) -> ast.Module | None:
+    try:
+        return ast.parse(data)
+    except (SyntaxError, ValueError):  # a slice cut too short, or a file the scan refused
+        return None
+
+
+def _first_statement(data: bytes) -> ast.stmt | None:
+    module = _parse_or_none(data)
+    return module.body[0] if module is not None and module.body else None
+
+
+def keyword_dropping_decorators(contents: Mapping[str, bytes]) -> frozenset[str]:
+    """The names of the tree's decorators that may drop a keyword a call of what they wrap passes.
+
+    A function given the collection's parameter, so that its callers pass it, must reach it through
+    every decorator: ``def once(fn): def wrapper(x): return fn(x)`` raises ``TypeError: wrapper()
+    got an unexpected keyword argument 'pg_collection'`` at each call. Found by name: the last
+    dotted name of every ``@decorator`` of the tree that a module-level ``def`` or ``class`` of the
+    tree defines and :func:`_drops_keywords` says may drop it. Only each such definition is
+    parsed."""
+    used = {
+        found.rpartition(b".")[2]
+        for data in contents.values()
+        for found in _DECORATOR.findall(data)
+    }
+    if not used:
+        return frozenset()
+    dropping: set[str] = set()
+    for data in contents.values():
+        for found in _TOP_LEVEL_DEFINITION.finditer(data):
+            if found.group(1) not in used:
+                continue
+            # Its block alone: up to the next line that starts at the margin (not a comment or a
+            # closing bracket); the whole file where that slice does not parse.
+            block_end = _AT_THE_MARGIN.search(data, found.end())
+            node = _first_statement(data[found.start() : block_end.start() if block_end else None])
+            if node is None:
+                node = next(
+                    (
+                        n
+                        for n in (_parse_or_none(data) or ast.Module([], [])).body
+                        if getattr(n, "name", None) == found.group(1).decode()
+                    ),
+                    None,
+                )
+            if node is not None and _drops_keywords(node):
+                dropping.add(found.group(1).decode())
+    return frozenset(dropping)
+
+
 def learn_tree(
     contents: Mapping[str, bytes],
     functions: Iterable[str],
@@ -366,4 +454,5 @@ def learn_tree(
         fields=frozenset(fields),
         ties=frozenset(ties),
         bases=frozenset(bases),
+        dropping=keyword_dropping_decorators(contents),
     )

@@ -59,17 +59,22 @@ class Upward:
     methods: Mapping[str, str] = field(default_factory=dict)
 
 
-def _may_be_threaded(definition: DefinitionFacts, binds_keyword: bool) -> bool:
+def _may_be_threaded(
+    definition: DefinitionFacts, binds_keyword: bool, dropping: frozenset[str]
+) -> bool:
     """Whether ``definition`` may be given the parameter: see the module's docstring.
 
-    In a module that ``binds_keyword`` at its top level, none may."""
+    In a module that ``binds_keyword`` at its top level, none may; nor a function decorated with
+    one of ``dropping``, whose wrapper takes no ``**kwargs``."""
     name = definition.name
     special = name.startswith("__") and name.endswith("__")
     return not (
         special
         or binds_keyword
         or any(decorator_matches(last, FIXED_SIGNATURE) for last in definition.decorators)
+        or not dropping.isdisjoint(definition.decorators)
         or definition.names_keyword
+        or definition.calls_locals
         or (definition.method and name in CALLED_BY_AUTOGRAD)
     )
 
@@ -91,12 +96,14 @@ def thread_upward(
     threaded: Mapping[Key, str],
     packages: Mapping[str, bytes],
     name: str,
+    dropping: frozenset[str] = frozenset(),
 ) -> Upward:
     """Which read-less functions of the tree get the parameter ``name``.
 
     ``index``: the tree's files' facts; ``contents``: path -> bytes. ``threaded``: the functions and
     methods threaded because they read ((module, qualified name) -> keyword); ``packages``: the
-    ``__init__.py`` files, through which packages re-export functions."""
+    ``__init__.py`` files, through which packages re-export functions; ``dropping``: the tree's
+    decorators whose wrapper takes no ``**kwargs`` (:func:`._tree.keyword_dropping_decorators`)."""
     seeds = dict(threaded)
     known = {qualname.rpartition(".")[2] for _, qualname in seeds}
     definitions: dict[Key, DefinitionFacts] = {}
@@ -113,7 +120,10 @@ def thread_upward(
             parsed.add(facts.path)
             read += facts.definitions
             eligible.update(
-                d for d in facts.definitions if _may_be_threaded(d, facts.binds_keyword)
+                d
+                for d in facts.definitions
+                if _may_be_threaded(d, facts.binds_keyword, dropping)
+                and d.key[1].partition(".")[0] not in facts.rebound
             )
         for definition in read:
             definitions[definition.key] = definition

@@ -1,0 +1,374 @@
+"""``pgregistry migrate`` keeps what code computes, proven by running the original tree and its migrated copy side by
+side, each in a fresh interpreter, with Megatron-Core (a stand-in ``parallel_state``) and without it: every probe's
+value or exception must be the original's (the oracle is the original tree).
+
+Found by the hostile audit of the rewrite (docs/reliability.md, "Hostile audit of the rewrite"): an import of
+``parallel_state`` in a ``try`` whose handler sets a flag went with the reads; an import another module reaches
+went too; a function calling ``locals()`` returned the new parameter in it; a file binding a helper's name
+(``pg_size = group.size()``) called its own where it meant the helper, or the helper where it meant its own; a
+function whose decorator's wrapper takes no ``**kwargs`` was passed the keyword, a ``TypeError`` at every call; so
+was a function defined once more at module level (``if HAVE_TE: def f ... else: def f``); a local collection
+assigned in a branch was read, or passed, where the branch had not run (``UnboundLocalError``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libcst")
+
+from fixtures.migrated_packages import write_sources  # noqa: E402
+
+from pgregistry._source.config import PRESETS  # noqa: E402
+from pgregistry.migrate._engine import migrate  # noqa: E402
+
+#: Megatron-Core's ``parallel_state`` as the probes see it: a stand-in, fast to import (torch is not), whose accessors
+#: give one value each; the original and the migrated tree run on the same one.
+_STAND_IN = """
+def get_tensor_model_parallel_rank(**keywords):
+    return 3
+
+def get_tensor_model_parallel_world_size(**keywords):
+    return 4
+
+def get_tensor_model_parallel_group(**keywords):
+    return "the tensor-parallel group"
+"""
+#: Run in each tree: each expression's value, or its exception's type (a failed import included).
+_PROBE = """
+import json, sys
+if sys.argv[2] == "without":
+    sys.modules["megatron"] = None  # Megatron-Core is not installed: importing it raises ImportError
+outcomes = {}
+for expression in json.loads(sys.argv[1]):
+    try:
+        outcomes[expression] = repr(eval(expression))
+    except BaseException as error:
+        outcomes[expression] = type(error).__name__
+print(json.dumps(outcomes))
+"""
+
+
+def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, str]:
+    stand_in = root.parent / "stand_in"
+    write_sources(stand_in, {"megatron/__init__.py": "", "megatron/core/__init__.py": "",
+                             "megatron/core/parallel_state.py": _STAND_IN})
+    path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
+    completed = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(expressions), megatron],
+        cwd=root, capture_output=True, text=True, timeout=60, check=True, env={**os.environ, "PYTHONPATH": path},
+    )
+    return json.loads(completed.stdout)
+
+
+def _side_by_side(tmp_path: Path, files: dict[str, str], expressions: list[str]) -> dict[str, str]:
+    """Each of ``expressions``' outcome in the original tree and in its migrated copy, with Megatron-Core and without
+    it: asserted equal; returned for the original with Megatron-Core (to check the probe sees something)."""
+    original, migrated = tmp_path / "original", tmp_path / "migrated"
+    write_sources(original, {path: textwrap.dedent(text) for path, text in files.items()})
+    sources = write_sources(migrated, {path: textwrap.dedent(text) for path, text in files.items()})
+    migration = migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection")
+    assert not migration.failures, migration.failures
+    assert migration.changes, "nothing was rewritten: the test would compare a tree with itself"
+    for change in migration.changes:
+        (migrated / change.path).write_bytes(change.after)
+    for megatron in ("with", "without"):
+        before = _outcomes(original, expressions, megatron)
+        assert _outcomes(migrated, expressions, megatron) == before, megatron
+    return _outcomes(original, expressions, "with")
+
+
+def test_an_import_in_a_try_whose_handler_sets_a_flag_stays(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/flagged.py": """
+            try:
+                from megatron.core import parallel_state
+                HAVE_MCORE = True
+            except ImportError:
+                HAVE_MCORE = False
+
+            def rank():
+                if HAVE_MCORE:
+                    return parallel_state.get_tensor_model_parallel_rank()
+                return 0
+        """,
+        "pkg/suppressed.py": """
+            import contextlib
+            HAVE_MCORE = False
+            with contextlib.suppress(ImportError):
+                import megatron.core.parallel_state as ps
+                HAVE_MCORE = True
+
+            def size():
+                return ps.get_tensor_model_parallel_world_size() if HAVE_MCORE else 1
+        """,
+    }
+    expressions = [
+        "__import__('pkg.flagged').flagged.HAVE_MCORE",
+        "__import__('pkg.flagged').flagged.rank()",
+        "__import__('pkg.suppressed').suppressed.HAVE_MCORE",
+        "__import__('pkg.suppressed').suppressed.size()",
+    ]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict.fromkeys(expressions[::2], "True") | {expressions[1]: "3", expressions[3]: "4"}, seen
+
+
+def test_a_name_another_module_imports_from_a_rewritten_one_stays(tmp_path: Path) -> None:
+    """The other module's ``from pkg.reads import ...``, attribute reads of the module, ``import *`` and the
+    module's own ``__all__`` reach the names the rewrite stopped reading: each stays importable."""
+    reads = """
+        from megatron.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        def rank():
+            return get_tensor_model_parallel_rank()
+
+        def size():
+            return get_tensor_model_parallel_world_size()
+    """
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/reads.py": reads,
+        "pkg/listed.py": textwrap.dedent(reads) + '\n__all__ = ["rank", "get_tensor_model_parallel_world_size"]\n',
+        "pkg/starred.py": reads,
+        "pkg/attributes.py": reads,
+        "pkg/users.py": """
+            import pkg.attributes
+            from pkg import attributes as aliased
+            from pkg.reads import get_tensor_model_parallel_rank
+
+            def both():
+                from pkg.reads import get_tensor_model_parallel_world_size
+                return get_tensor_model_parallel_rank() + get_tensor_model_parallel_world_size()
+
+            def through_the_module():
+                return pkg.attributes.get_tensor_model_parallel_world_size() + aliased.get_tensor_model_parallel_rank()
+        """,
+        "pkg/star_user.py": "from pkg.starred import *\n\ndef both():\n    return get_tensor_model_parallel_rank()\n",
+    }
+    expressions = [
+        "__import__('pkg.users').users.both()",
+        "__import__('pkg.users').users.through_the_module()",
+        "__import__('pkg.reads').reads.rank()",
+        "__import__('pkg.star_user').star_user.both()",
+        "__import__('pkg.listed', fromlist=['*']).get_tensor_model_parallel_world_size()",
+    ]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["7", "7", "3", "3", "4"], strict=True)), seen
+
+
+def test_a_function_that_calls_locals_gets_no_parameter(tmp_path: Path) -> None:
+    """``dict(locals())`` (a config captured from the arguments) would hold the new parameter: such a function, one
+    threaded upward (it calls one that reads) and a nested one that would read the collection as a closure, keep
+    their reads and signatures."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/captured.py": """
+            from megatron.core import parallel_state as ps
+
+            def config(hidden, layers=2):
+                rank = ps.get_tensor_model_parallel_rank()
+                return sorted(dict(locals()))
+
+            def reads():
+                return ps.get_tensor_model_parallel_world_size()
+
+            def above(hidden):
+                size = reads()
+                return sorted(locals())
+
+            def outer():
+                def inner():
+                    rank = ps.get_tensor_model_parallel_rank()
+                    return sorted(locals())
+                return inner()
+        """,
+    }
+    expressions = [f"__import__('pkg.captured').captured.{call}" for call in ("config(8)", "above(8)", "outer()")]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, [
+        "['hidden', 'layers', 'rank']", "['hidden', 'size']", "['rank']"], strict=True)), seen
+
+
+def test_a_file_that_binds_a_helpers_name_calls_the_helper_by_another(tmp_path: Path) -> None:
+    """A local ``pg_size``, a module-level ``def pg_rank`` and an imported ``pg_group`` keep their meaning, and the
+    rewritten reads still call the helper."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/util.py": "def pg_group():\n    return 'util'\n",
+        "pkg/bound.py": """
+            from megatron.core import parallel_state as ps
+            from pkg.util import pg_group
+
+            def pg_rank(x, y):
+                return ("mine", x, y)
+
+            def mine():
+                return ps.get_tensor_model_parallel_rank(), pg_rank(1, 2), pg_group()
+
+            def group():
+                return ps.get_tensor_model_parallel_group()
+
+            def local():
+                pg_size = 3
+                return ps.get_tensor_model_parallel_world_size() * pg_size
+        """,
+    }
+    expressions = [f"__import__('pkg.bound').bound.{call}()" for call in ("mine", "group", "local")]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, [
+        "(3, ('mine', 1, 2), 'util')", "'the tensor-parallel group'", "12"], strict=True)), seen
+
+
+def test_a_function_whose_decorator_takes_no_keywords_is_not_passed_one(tmp_path: Path) -> None:
+    """A decorator of the tree whose wrapper takes fixed arguments (a function, a factory's, a class's
+    ``__call__``) would get ``pg_collection=`` from every caller that holds a collection; so would one on a
+    function threaded upward (it reads nothing, but calls one that does)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/decorated.py": """
+            from megatron.core import parallel_state as ps
+
+            def once(fn):
+                def wrapper(x):
+                    return fn(x)
+                return wrapper
+
+            def repeat(times):
+                def decorate(fn):
+                    def wrapper(x):
+                        return [fn(x) for _ in range(times)]
+                    return wrapper
+                return decorate
+
+            class Traced:
+                def __init__(self, fn):
+                    self.fn = fn
+
+                def __call__(self, x):
+                    return self.fn(x)
+
+            @once
+            def plain(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            @repeat(2)
+            def factory(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            @Traced
+            def traced(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            def reads(x):
+                return x + ps.get_tensor_model_parallel_world_size()
+
+            @once
+            def above(x):
+                return reads(x)
+
+            def caller(pg_collection=None):
+                return plain(1), factory(1), traced(1), above(1)
+        """,
+    }
+    expression = "__import__('pkg.decorated').decorated.caller()"
+    assert _side_by_side(tmp_path, files, [expression]) == {expression: "(4, [4, 4], 4, 5)"}
+
+
+def test_a_name_bound_twice_at_module_level_is_not_passed_one(tmp_path: Path) -> None:
+    """``if``/``else`` and ``try``/``except ImportError`` definitions of one name (Megatron-Core's ``get_fp8_context``
+    with and without Transformer Engine), a class defined in both branches, and a ``def`` rebound to a wrapper: the
+    branch that runs may be the ``def`` without the parameter, which a caller holding a collection would pass."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/branches.py": """
+            from megatron.core import parallel_state as ps
+
+            HAVE_TE = False
+
+            if HAVE_TE:
+                def context(x):
+                    return x + ps.get_tensor_model_parallel_rank()
+            else:
+                def context(x):
+                    return x
+
+            try:
+                import transformer_engine_that_is_not_installed
+                def fused(x):
+                    return x + ps.get_tensor_model_parallel_rank()
+            except ImportError:
+                def fused(x):
+                    return -x
+
+            if HAVE_TE:
+                class Linear:
+                    def __init__(self, x):
+                        self.size = x + ps.get_tensor_model_parallel_world_size()
+            else:
+                class Linear:
+                    def __init__(self, x):
+                        self.size = x
+
+            def reads(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            def positional_only(fn):
+                return lambda x: fn(x)
+
+            reads = positional_only(reads)
+
+            def once(x):
+                return x + ps.get_tensor_model_parallel_world_size()
+
+            def caller(pg_collection=None):
+                return context(1), fused(1), Linear(1).size, reads(1), once(1)
+        """,
+    }
+    expression = "__import__('pkg.branches').branches.caller()"
+    assert _side_by_side(tmp_path, files, [expression]) == {expression: "(1, -1, 1, 4, 5)"}
+
+
+def test_a_local_collection_assigned_in_a_block_is_not_read_where_the_block_did_not_run(tmp_path: Path) -> None:
+    """``if flag: pg_collection = build()``, one in a ``try``: a read or a call below runs whether or not the
+    binding did, so neither reads the local (the function is given the parameter under another name)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/blocks.py": """
+            from megatron.core import parallel_state as ps
+
+            def reads(x):
+                return x + ps.get_tensor_model_parallel_rank()
+
+            def read_below(build, flag):
+                if flag:
+                    pg_collection = build()
+                return ps.get_tensor_model_parallel_rank()
+
+            def call_below(build, flag):
+                if flag:
+                    pg_collection = build()
+                return reads(1)
+
+            def call_after_try(build):
+                try:
+                    pg_collection = build()
+                except ValueError:
+                    pass
+                return reads(1)
+
+            def fails():
+                raise ValueError("no collection")
+        """,
+    }
+    blocks = "__import__('pkg.blocks').blocks"
+    expressions = [f"{blocks}.read_below(None, False)", f"{blocks}.call_below(None, False)",
+                   f"{blocks}.call_after_try({blocks}.fails)"]
+    assert _side_by_side(tmp_path, files, expressions) == dict.fromkeys(expressions[:1], "3") | dict.fromkeys(
+        expressions[1:], "4")
