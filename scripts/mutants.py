@@ -1532,6 +1532,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-reads-a-collection-bound-in-a-block",
+        bug="migrate counts a pg_collection bound inside a block of the function (if flag: pg_collection = "
+        "build()) as bound above the statements after it: a read there raises UnboundLocalError where the "
+        "block did not run, where the original read the global state",
+        file="pgregistry/migrate/_plan.py",
+        find="        return len(self.statement) == 2 and isinstance(",
+        replace="        return len(self.statement) == 2 or isinstance(",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_local_collection_assigned_in_a_block_is_not_read_where_the_block_did_not_run",
+        ),
+    ),
+    Mutant(
         name="allowlist-link-replaced-by-a-copy",
         bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
         "named keeps the old list; a link out of the project is written through",
