@@ -3,8 +3,7 @@
 
 A module moved, a test renamed or a name dropped leaves a doc pointing at nothing; this finds it.
 A path is the repository's (``scripts/gpu8.sh``) or, in docs/architecture.md's map, the package's
-(``allowlist/_ratchet.py``). docs/reliability.md is not read yet: its ``::test_name`` shorthands often
-follow a sentence naming another file than the test's.
+(``allowlist/_ratchet.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", "CONTRIBUTING.md"] + sorted(
-    str(path.relative_to(ROOT)) for path in (ROOT / "docs").rglob("*.md") if path.name != "reliability.md"
+    str(path.relative_to(ROOT)) for path in (ROOT / "docs").rglob("*.md")
 )
 NOT_OURS = {
     "tools/check_process_group_usage.py",  # Megatron-LM's checker (docs/allowlist.md)
