@@ -171,7 +171,7 @@ def test_a_reader_closing_the_output_first_ends_the_command_with_141_and_no_trac
     try:
         done = subprocess.run(
             [sys.executable, "-m", "pgregistry", "layout", "--num-ranks", "64", "--tp", "2"],
-            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
         )
     finally:
         os.close(write_end)
