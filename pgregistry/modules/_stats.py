@@ -2,10 +2,12 @@
 
 They are :func:`grad_norm`, :func:`count_zeros` and :func:`clip_grad_norm_`.
 
-Each module's statistic comes from pgregistry's single-model path on that module's collection
-(:func:`pgregistry.grad_stats.grad_norm`, :func:`~pgregistry.grad_stats.count_zeros`): it counts
-each of the module's grads once over the module's span and leaves the same value on every rank of
-the span. One all-reduce over the world then combines the modules. A module's value lives on its
+Each module's statistic comes from pgregistry's single-model path on that module's collection, as
+:func:`pgregistry.grad_stats.grad_norm` and :func:`~pgregistry.grad_stats.count_zeros` take it: the
+module's kept plan checked once a call (made anew only where it could be stale:
+:mod:`pgregistry.grad_stats._plan`), then the grads read once and reduced; the clip scales what
+that read found. It counts each of the module's grads once over the module's span and leaves the
+same value on every rank of the span. One all-reduce over the world then combines the modules. A module's value lives on its
 ranks only: each rank puts, for each module it runs, that module's value in the module's slot of a
 vector indexed by module, and 0 elsewhere; a MAX over the world fills every slot with its module's
 value (every rank of a module holds the same), so a rank outside a module contributes nothing for
