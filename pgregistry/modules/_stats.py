@@ -5,15 +5,15 @@ They are :func:`grad_norm`, :func:`count_zeros` and :func:`clip_grad_norm_`.
 Each module's statistic comes from pgregistry's single-model path on that module's collection, as
 :func:`pgregistry.grad_stats.grad_norm` and :func:`~pgregistry.grad_stats.count_zeros` take it: the
 module's kept plan checked once a call (made anew only where it could be stale:
-:mod:`pgregistry.grad_stats._plan`), then the grads read once and reduced; the clip scales what
-that read found. It counts each of the module's grads once over the module's span and leaves the
-same value on every rank of the span. One all-reduce over the world then combines the modules. A module's value lives on its
-ranks only: each rank puts, for each module it runs, that module's value in the module's slot of a
-vector indexed by module, and 0 elsewhere; a MAX over the world fills every slot with its module's
-value (every rank of a module holds the same), so a rank outside a module contributes nothing for
-it, and a module is counted once however many ranks run it. The job-wide norm is then ``(sum_m
-n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m z_m``, both in
-float64.
+:mod:`pgregistry.grad_stats._plan`), then the grads read once and reduced; the clip scales what that
+read found. It counts each of the module's grads once over the module's span and leaves the same
+value on every rank of the span. One all-reduce over the world then combines the modules. A module's
+value lives on its ranks only: each rank puts, for each module it runs, that module's value in the
+module's slot of a vector indexed by module, and 0 elsewhere; a MAX over the world fills every slot
+with its module's value (every rank of a module holds the same), so a rank outside a module
+contributes nothing for it, and a module is counted once however many ranks run it. The job-wide
+norm is then ``(sum_m n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m
+z_m``, both in float64.
 
 Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent
 encoded as a number above every finite norm (a NaN inside a MAX all-reduce is backend-dependent:
