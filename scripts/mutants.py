@@ -1731,8 +1731,28 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a layer shared by two colocated modules is counted in both modules' norms (sqrt(10) for sqrt(6)) and "
         "clipped once per module, by the square of the coefficient",
         file="pgregistry/modules/_stats.py",
-        find="        checked, error = _check_plans_and_shared_tensors(given, modules, owner)\n",
-        replace="        pass\n",
+        find="    error = _tensor_in_two_modules(checked)\n",
+        replace="    error = None\n",
+        tests=("tests/modules/test_modules_tensor_in_two_modules.py::"
+               "test_a_tensor_in_two_modules_models_is_refused_on_every_rank_naming_it",),
+    ),
+    Mutant(
+        name="modules-clip-replanned",
+        bug="the job-wide clip collects the grads again and plans their scaling anew each call "
+        "(clip_grads_) instead of scaling through the pieces each module's kept plan read",
+        file="pgregistry/modules/_stats.py",
+        find="    for read in reads:\n        read.clip_(clipping)\n",
+        replace="    clip_grads_([piece for read in reads for piece in read.pieces], max_norm, total)\n",
+        tests=("tests/modules/test_modules_kept_plans.py::"
+               "test_a_steady_state_job_wide_statistic_walks_no_model_and_a_changed_model_is_replanned",),
+    ),
+    Mutant(
+        name="grad-in-two-modules-clipped-twice",
+        bug="two parameters, one in each of two colocated modules' models, holding one grad tensor: the job-wide "
+        "clip scales it once per module (by the square of the coefficient), without a word",
+        file="pgregistry/modules/_stats.py",
+        find="    if clipping and fault is None:\n",
+        replace="    if False:\n",
         tests=("tests/modules/test_modules_tensor_in_two_modules.py::"
                "test_a_tensor_in_two_modules_models_is_refused_on_every_rank_naming_it",),
     ),

@@ -37,7 +37,7 @@ from pgregistry.collection import ProcessGroupCollection, group_size
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
-from pgregistry.grad_stats._plan import Plan, check_or_make_plan
+from pgregistry.grad_stats._plan import Plan, Read, check_or_make_plan
 from pgregistry.grad_stats._reductions import (
     Clipping,
     Reduced,
@@ -197,11 +197,14 @@ def check_plan(
     return CheckedPlan(source, plan, params, collection)
 
 
-def reduce_checked(checked: CheckedPlan, owner: str, wanted: Wanted) -> Reduced:
+def reduce_checked(checked: CheckedPlan, owner: str, wanted: Wanted) -> tuple[Reduced, Read]:
     """The statistics ``wanted`` of a plan the caller checked (:func:`check_plan`), reduced.
 
     The entry points' way down after their own plan check: tensors without grads refused, the grads
-    read once and reduced; the plan is not checked a second time."""
+    read once and reduced; the plan is not checked a second time. Returns the reduced statistics
+    and the read, whose pieces a caller clipping to a norm of its own scales
+    (:meth:`~pgregistry.grad_stats._plan.Read.clip_`: :mod:`pgregistry.modules`' job-wide clip,
+    without collecting the grads or planning their scaling again)."""
     _refuse_tensors_without_grads(checked.source, owner)
     return _read_and_reduce(checked, owner, wanted)
 
@@ -220,7 +223,7 @@ def _read_reduce_and_clip(
     source = source_of(params)
     _refuse_tensors_without_grads(source, owner)
     checked = check_plan(source, pg_collection, owner)
-    return _read_and_reduce(checked, owner, wanted, max_norm, error_if_nonfinite)
+    return _read_and_reduce(checked, owner, wanted, max_norm, error_if_nonfinite)[0]
 
 
 def _read_and_reduce(
@@ -229,8 +232,10 @@ def _read_and_reduce(
     wanted: Wanted,
     max_norm: float | None = None,
     error_if_nonfinite: bool = False,
-) -> Reduced:
-    """Read the grads of a checked plan once, reduce them and (with ``max_norm``) clip them."""
+) -> tuple[Reduced, Read]:
+    """Read the grads of a checked plan once, reduce them and (with ``max_norm``) clip them.
+
+    Returns the reduced statistics and the read."""
     plan, ordered = checked.plan, checked.params
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
     verdict = verdict_groups(checked.collection, owner) if max_norm is not None else ()
@@ -241,7 +246,7 @@ def _read_and_reduce(
         assert reduced.norm64 is not None
         check_finite(reduced.norm64, error_if_nonfinite)
         read.clip_(Clipping(max_norm, reduced.norm64))
-    return reduced
+    return reduced, read
 
 
 def grad_norm(

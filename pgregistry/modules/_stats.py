@@ -2,16 +2,18 @@
 
 They are :func:`grad_norm`, :func:`count_zeros` and :func:`clip_grad_norm_`.
 
-Each module's statistic comes from pgregistry's single-model path on that module's collection
-(:func:`pgregistry.grad_stats.grad_norm`, :func:`~pgregistry.grad_stats.count_zeros`): it counts
-each of the module's grads once over the module's span and leaves the same value on every rank of
-the span. One all-reduce over the world then combines the modules. A module's value lives on its
-ranks only: each rank puts, for each module it runs, that module's value in the module's slot of a
-vector indexed by module, and 0 elsewhere; a MAX over the world fills every slot with its module's
-value (every rank of a module holds the same), so a rank outside a module contributes nothing for
-it, and a module is counted once however many ranks run it. The job-wide norm is then ``(sum_m
-n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m z_m``, both in
-float64.
+Each module's statistic comes from pgregistry's single-model path on that module's collection, as
+:func:`pgregistry.grad_stats.grad_norm` and :func:`~pgregistry.grad_stats.count_zeros` take it: the
+module's kept plan checked once a call (made anew only where it could be stale:
+:mod:`pgregistry.grad_stats._plan`), then the grads read once and reduced; the clip scales what that
+read found. It counts each of the module's grads once over the module's span and leaves the same
+value on every rank of the span. One all-reduce over the world then combines the modules. A module's
+value lives on its ranks only: each rank puts, for each module it runs, that module's value in the
+module's slot of a vector indexed by module, and 0 elsewhere; a MAX over the world fills every slot
+with its module's value (every rank of a module holds the same), so a rank outside a module
+contributes nothing for it, and a module is counted once however many ranks run it. The job-wide
+norm is then ``(sum_m n_m^p)^(1/p)`` (the largest ``n_m`` for the inf-norm), the zero count ``sum_m
+z_m``, both in float64.
 
 Unlike Megatron-Core's ``MimoOptimizer``, which this follows: a non-finite module norm is sent
 encoded as a number above every finite norm (a NaN inside a MAX all-reduce is backend-dependent:
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from itertools import repeat
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,14 +45,13 @@ from pgregistry._runtime.agreement import (
     verdict_of,
 )
 from pgregistry._runtime.communicators import span_text
-from pgregistry._runtime.resolve import ParamsLike, normalise_params, source_of
-from pgregistry.grad_stats import backend_device, check_expert_classification, clip_grads_
-from pgregistry.grad_stats import count_zeros as module_count_zeros
-from pgregistry.grad_stats import grad_norm as module_grad_norm
+from pgregistry._runtime.resolve import ParamsLike, source_of
+from pgregistry.grad_stats import backend_device, clip_grads_
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
 from pgregistry.grad_stats._functional import CheckedPlan, check_plan, reduce_checked
 from pgregistry.grad_stats._lists import check_finite
-from pgregistry.grad_stats._reductions import Wanted
+from pgregistry.grad_stats._plan import Read
+from pgregistry.grad_stats._reductions import Clipping, Wanted
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
@@ -100,10 +101,10 @@ def grad_norm(
         norm = grad_norm({name: models[name] for name in modules.here()}, modules)
     """
     owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
-    given, checked = _agree_on_models(
+    checked = _agree_on_models(
         models, modules, owner, options, extra_error=norm_type_error(norm_type)
     )
-    return _job_grad_norm(given, checked, modules, norm_type, owner, options)
+    return _job_grad_norm(checked, modules, norm_type, owner, options)[0]
 
 
 def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection) -> int:
@@ -127,16 +128,14 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
         zeros = count_zeros(models_here, modules)
     """
     owner = "pgregistry.modules.count_zeros"
-    given, checked = _agree_on_models(models, modules, owner, {})
+    checked = _agree_on_models(models, modules, owner, {})
 
-    def module_zeros(name: str, model: ParamsLike) -> torch.Tensor | int:
-        if name in checked:
-            zeros = reduce_checked(checked[name], "count_zeros", Wanted.zeros_only()).zeros
-            assert zeros is not None
-            return zeros
-        return module_count_zeros(model, modules[name])
+    def module_zeros(name: str, plan: CheckedPlan) -> torch.Tensor:
+        zeros = reduce_checked(plan, "count_zeros", Wanted.zeros_only())[0].zeros
+        assert zeros is not None
+        return zeros
 
-    zeros, fault = module_values(given, module_zeros)
+    zeros, fault = module_values(checked, module_zeros)
     _, total = reduce_over_modules(list(modules), zeros=zeros, check=(owner, {}, fault))
     assert total is not None
     return total
@@ -153,9 +152,11 @@ def clip_grad_norm_(
     """Clip the grads of every module in place to a job-wide norm of ``max_norm``.
 
     The norm is :func:`grad_norm`'s; each rank scales the grads of the modules it runs by ``max_norm
-    / (norm + 1e-6)`` where that is below 1 (:func:`pgregistry.grad_stats.clip_grads_`), duplicates
-    included, so replicas stay identical. A NaN or infinite norm scales nothing (skip the step).
-    Collective as :func:`grad_norm`.
+    / (norm + 1e-6)`` where that is below 1 (the coefficient of
+    :func:`pgregistry.grad_stats.clip_grads_`), duplicates included, so replicas stay identical,
+    through the pieces each module's kept plan read for the norm (no walk of the models, no scaling
+    planned anew). A NaN or infinite norm scales nothing (skip the step). Collective as
+    :func:`grad_norm`.
 
     Args:
         models: the name of each module this rank runs -> its model, model chunks or parameters.
@@ -168,8 +169,8 @@ def clip_grad_norm_(
         The job-wide norm before clipping.
 
     Raises:
-        ValueError: on every rank, as :func:`grad_norm`, or a ``max_norm`` that is not a positive
-            finite number.
+        ValueError: on every rank, as :func:`grad_norm`; a ``max_norm`` that is not a positive
+            finite number; a grad tensor in two modules' models on a rank (scaled once per module).
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
 
     Example::
@@ -188,40 +189,80 @@ def clip_grad_norm_(
         )
     bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
-    given, checked = _agree_on_models(models, modules, owner, options, extra_error=bad)
-    total = _job_grad_norm(given, checked, modules, norm_type, owner, options)
-    grads = [grad for model in given.values() for grad in _local_grads(model)]
-    clip_to_job_norm(grads, max_norm, total, error_if_nonfinite)
+    checked = _agree_on_models(models, modules, owner, options, extra_error=bad)
+    total, reads = _job_grad_norm(checked, modules, norm_type, owner, options, clipping=True)
+    check_finite(total, error_if_nonfinite, which="job-wide")
+    clipping = Clipping(max_norm, total.to(torch.float64))
+    for read in reads:
+        read.clip_(clipping)
     return total
 
 
 def _job_grad_norm(
-    given: Mapping[str, ParamsLike],
     checked: Mapping[str, CheckedPlan],
     modules: MultiModuleCollection,
     norm_type: float,
     owner: str,
     options: Mapping[str, str],
-) -> torch.Tensor:
-    """The job-wide ``norm_type``-norm of the grads of ``given``, the models this rank runs.
+    *,
+    clipping: bool = False,
+) -> tuple[torch.Tensor, list[Read]]:
+    """The job-wide ``norm_type``-norm of the grads of the modules this rank runs, and their reads.
 
-    A module whose kept plan was checked already (``checked``, :func:`_agree_on_models`) is read
-    from it, the others by :func:`pgregistry.grad_stats.grad_norm`. A module's statistic that
-    refuses its model is raised on every rank, as ``owner``'s called with ``options``
-    (:func:`module_values`)."""
+    Each module's norm is read from its kept plan, checked for this call (``checked``,
+    :func:`_agree_on_models`); its read holds the pieces a clip scales (:meth:`Read.clip_`). A
+    module's statistic that refuses its model is raised on every rank, as ``owner``'s called with
+    ``options`` (:func:`module_values`); with ``clipping``, so is a grad tensor in two modules'
+    models on a rank (:func:`_grad_in_two_modules`)."""
     p = float(norm_type)
 
-    def module_norm(name: str, model: ParamsLike) -> torch.Tensor:
-        if name in checked:
-            return reduce_checked(checked[name], "grad_norm", Wanted.of(p, zeros=False)).norm
-        return module_grad_norm(model, modules[name], norm_type=p)
+    def module_norm(name: str, plan: CheckedPlan) -> tuple[torch.Tensor, Read]:
+        reduced, read = reduce_checked(plan, "grad_norm", Wanted.of(p, zeros=False))
+        return reduced.norm, read
 
-    norms, fault = module_values(given, module_norm)
+    values, fault = module_values(checked, module_norm)
+    reads = {name: read for name, (_, read) in values.items()}
+    if clipping and fault is None:
+        fault = _grad_in_two_modules(checked, reads)
+    norms = {name: norm for name, (norm, _) in values.items()}
     total, _ = reduce_over_modules(
         list(modules), norms=norms, norm_type=p, check=(owner, options, fault)
     )
     assert total is not None
-    return total
+    return total, list(reads.values())
+
+
+def _grad_in_two_modules(
+    checked: Mapping[str, CheckedPlan], reads: Mapping[str, Read]
+) -> ValueError | None:
+    """Why a grad tensor this rank would scale is in two modules' models, or ``None``.
+
+    Two parameters, one in each of two modules' models, holding one ``.grad`` tensor (each module's
+    plan refuses it within its model) would have it scaled once per module, by the square of the
+    coefficient. The pieces' ids compared at C speed; a fault walks the module to name the
+    parameter. Local: the caller agrees on the answer."""
+    if len(reads) < 2:
+        return None
+    pieces = [read.pieces for read in reads.values()]
+    if len(set(map(id, chain.from_iterable(pieces)))) == sum(map(len, pieces)):
+        return None
+    holder: dict[int, str] = {}
+    for name, read in reads.items():
+        for piece in read.pieces:
+            if id(piece) in holder:
+                plan = checked[name]
+                param = next(
+                    label
+                    for label, held in zip(plan.plan.names, plan.params, strict=True)
+                    if held.grad is piece or getattr(held.grad, "_local_tensor", None) is piece
+                )
+                return ValueError(
+                    f"module {name!r}: the grad of parameter {param!r} is also a grad in the model "
+                    f"of module {holder[id(piece)]!r} on this rank, which would be scaled once per "
+                    "module: give each parameter its own grad"
+                )
+            holder[id(piece)] = name
+    return None
 
 
 def clip_to_job_norm(
@@ -439,83 +480,73 @@ def _agree_on_models(
     options: Mapping[str, str],
     *,
     extra_error: Fault = None,
-) -> tuple[dict[str, ParamsLike], dict[str, CheckedPlan]]:
-    """The models of the modules this rank runs, once every rank agreed and none found a fault.
+) -> dict[str, CheckedPlan]:
+    """The kept plan of each module this rank runs, checked, once every rank agreed on no fault.
 
     Every rank agrees on the modules and options
-    (``pgregistry._runtime.agreement.check_agreement``). With the models, by module name, the kept
-    plans checked for the refusal of a tensor in two modules' models
-    (:func:`_check_plans_and_shared_tensors`): each module's statistic reads from its plan so
-    checked, not checking it again; none where this rank runs fewer than two modules (each statistic
-    then checks its own)."""
+    (``pgregistry._runtime.agreement.check_agreement``), and on each rank's fault: what the door of
+    each module's statistics refuses, found by checking its kept plan (:func:`_check_plans`: the
+    unclassified experts are refused when a plan is made, no walk of a model while it is kept), and
+    a tensor in two modules' models. Each module's statistic reads from its plan so checked, not
+    checking it again: one check a plan a call."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
         )
-
-    def statistics_accept(name: str, model: Any, collection: ProcessGroupCollection) -> None:
-        # The door of the module's statistics, run here so that a refusal raises on every rank, not
-        # on one rank while the module's other ranks wait for it in the module's reductions.
-        check_expert_classification(model, collection)
-
-    given, error = check_models(models, modules, owner, statistics_accept)
+    given, error = check_models(models, modules, owner)
     checked: dict[str, CheckedPlan] = {}
     if error is None:
-        checked, error = _check_plans_and_shared_tensors(given, modules, owner)
+        checked, error = _check_plans(given, modules, owner)
     fields = {**describe_modules(modules), **options}
     check_agreement(owner, fields, combine_faults(extra_error, error), advice=MODULES_ADVICE)
-    return given, checked
+    return checked
 
 
-def _check_plans_and_shared_tensors(
+def _check_plans(
     given: Mapping[str, ParamsLike], modules: MultiModuleCollection, owner: str
 ) -> tuple[dict[str, CheckedPlan], str | None]:
-    """Each model's kept plan checked, by module name, and why the models overlap (or ``None``).
+    """Each model's kept plan checked (or made anew), by module name, and this rank's error.
 
-    A tensor in the models of two modules (a layer shared by two colocated modules, one model given
-    for both) was counted in each module's statistic, and clipped once per module: a job-wide norm
-    of ``sqrt(10)`` for the ``sqrt(6)`` of the distinct grads, the shared grad scaled by the square
-    of the coefficient. Only a rank running several modules can hold one; it reads each model's
-    parameters from its kept plan, checked (:func:`~pgregistry.grad_stats._functional.check_plan`;
-    no walk of the model per call), and compares their ids at C speed. Each module's statistic then
-    reads from the plan checked here (:func:`~pgregistry.grad_stats._functional.reduce_checked`),
-    not checking it again: one check a plan a call. No plans (and ``None``) where this rank runs
-    fewer than two modules, or on a fault. Local: the caller agrees on the answer."""
+    The door of each module's statistics, run before any module's collective so that a refusal
+    (an unclassified expert parameter, another collection attached) raises on every rank, not on one
+    rank while the module's other ranks wait for it in the module's reductions
+    (:func:`~pgregistry.grad_stats._functional.check_plan`; a module's collection sets every field,
+    so making a plan reads no group from the global grid and issues no collective). The error names
+    every module refused, else a tensor in two modules' models (:func:`_tensor_in_two_modules`);
+    no plans on an error. Local: the caller agrees on it."""
     checked: dict[str, CheckedPlan] = {}
-    if len(given) < 2:
-        return checked, None
-    holder: dict[int, str] = {}
+    problems = []
     for name, model in given.items():
         try:
             checked[name] = check_plan(source_of(model), modules[name], owner)
         except (ValueError, TypeError, RuntimeError) as exc:
-            return {}, f"module {name!r}: {exc}"
-        plan, ids = checked[name].plan, list(map(id, checked[name].params))
+            problems.append(f"module {name!r}: {exc}")
+    if problems:
+        return {}, "; ".join(problems)
+    error = _tensor_in_two_modules(checked)
+    return (checked, None) if error is None else ({}, error)
+
+
+def _tensor_in_two_modules(checked: Mapping[str, CheckedPlan]) -> str | None:
+    """Why the models of two modules this rank runs share a tensor, or ``None``.
+
+    A tensor in the models of two modules (a layer shared by two colocated modules, one model given
+    for both) was counted in each module's statistic, and clipped once per module: a job-wide norm
+    of ``sqrt(10)`` for the ``sqrt(6)`` of the distinct grads, the shared grad scaled by the square
+    of the coefficient. Only a rank running several modules can hold one; each model's parameters
+    come from its checked kept plan (no walk of the model per call), their ids compared at C
+    speed."""
+    holder: dict[int, str] = {}
+    for name, plan in checked.items() if len(checked) > 1 else ():
+        ids = list(map(id, plan.params))
         shared = holder.keys() & ids
         if shared:
             position = next(i for i, tensor_id in enumerate(ids) if tensor_id in shared)
-            return {}, (
-                f"parameter {plan.names[position]!r} of module {name!r} is also in the model of "
-                f"module {holder[ids[position]]!r} on this rank: a tensor in two modules' models "
-                "would be counted in both modules' statistics and clipped once per module; give it "
-                "to one module's model only, or give each module its own copy"
+            return (
+                f"parameter {plan.plan.names[position]!r} of module {name!r} is also in the model "
+                f"of module {holder[ids[position]]!r} on this rank: a tensor in two modules' "
+                "models would be counted in both modules' statistics and clipped once per module; "
+                "give it to one module's model only, or give each module its own copy"
             )
         holder.update(zip(ids, repeat(name)))
-    return checked, None
-
-
-def _local_grads(model: ParamsLike) -> list[torch.Tensor]:
-    """The grads of ``model`` as tensors to scale in place.
-
-    Each parameter's ``.grad`` (a DTensor's local piece).
-    """
-    grads = []
-    for _, param in normalise_params(model).named:
-        grad = param.grad
-        if grad is None:
-            continue
-        local = getattr(
-            grad, "_local_tensor", None
-        )  # a DTensor: its local piece, as the single-model clip scales
-        grads.append(local if isinstance(local, torch.Tensor) else grad)
-    return grads
+    return None

@@ -75,13 +75,13 @@ def test_a_call_resolves_once_and_never_climbs_back(entry: str) -> None:
         assert not reentries, (entry, which, reentries)
 
 
-def _modules_routes() -> dict[str, tuple[list[str], list[str]]]:
-    """Each job-wide statistic's checks of a kept plan, and its re-entries, over two colocated modules (the
-    plans kept: the second call of each)."""
+def _modules_routes(names: tuple[str, ...]) -> dict[str, tuple[list[str], list[str]]]:
+    """Each job-wide statistic's checks of a kept plan, and its re-entries, over modules ``names`` colocated on
+    one rank (the plans kept: the second call of each)."""
     from pgregistry import modules as mm
     from pgregistry.layout import ParallelLayout
 
-    modules = mm.build_modules({"a": ParallelLayout(num_ranks=1), "b": ParallelLayout(num_ranks=1)})
+    modules = mm.build_modules({name: ParallelLayout(num_ranks=1) for name in names})
     models = {name: nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)) for name in modules}
     for model in models.values():
         model(torch.randn(5, 4)).sum().backward()
@@ -98,12 +98,15 @@ def _modules_routes() -> dict[str, tuple[list[str], list[str]]]:
     return routes
 
 
-def test_a_job_wide_statistic_checks_each_modules_plan_once() -> None:
-    """``pgregistry.modules``' statistics check each module's kept plan once a call: the refusal of a tensor in two
-    modules' models checks them and hands them down (each module's statistic checked its plan again before)."""
+@pytest.mark.parametrize("names", [("a", "b"), ("a",)], ids=["two colocated modules", "one module"])
+def test_a_job_wide_statistic_checks_each_modules_plan_once(names: tuple[str, ...]) -> None:
+    """``pgregistry.modules``' statistics check each module's kept plan once a call, before the agreement (for the
+    statistics' door and the refusal of a tensor in two modules' models), and hand it down to the module's
+    statistic (which checked its plan again before, on a rank running several modules)."""
     from pgregistry.testing import run_world
 
-    (routes,) = run_world(1, _modules_routes, timeout=60)
+    (routes,) = run_world(1, _modules_routes, names, timeout=60)
     for label, (checks, reentries) in routes.items():
-        assert checks == ["grad_stats._functional > grad_stats._plan.check_or_make_plan"] * 2, (label, checks)
+        assert checks == ["grad_stats._functional > grad_stats._plan.check_or_make_plan"] * len(names), (
+            label, checks)
         assert not reentries, (label, reentries)
