@@ -421,12 +421,11 @@ def _base_and_program_table(
     total = int(chunks.sum())
     if not total:
         return base, None
-    ends = torch.cumsum(chunks, 0)
-    program = torch.arange(total)
-    tensor = torch.searchsorted(ends, program, right=True)
-    skipped = (
-        program - (ends - chunks)[tensor]
-    ) * chunk  # elements of the tensor before this program's
+    # each program's tensor: tensor i repeated once per program of it, in one pass (a binary search
+    # of each program among the tensors' ends made the table 1.1-1.6x slower at 40,000 programs)
+    tensor = torch.repeat_interleave(torch.arange(len(sizes)), chunks, output_size=total)
+    firsts = torch.cumsum(chunks, 0) - chunks  # each tensor's first program
+    skipped = (torch.arange(total) - firsts[tensor]) * chunk  # its elements before this program's
     first = offsets[tensor] // dtype.itemsize + skipped
     count = torch.clamp(sizes[tensor] - skipped, max=chunk)
     host = torch.stack([first, count], dim=1)
