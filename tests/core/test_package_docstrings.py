@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pgregistry"
-LISTING_EVERY_MODULE = ("_runtime", "_source", "allowlist", "checkpoint", "experts", "grad_stats", "testing")
+LISTING_EVERY_MODULE = ("_runtime", "_source", "allowlist", "checkpoint", "experts", "grad_stats", "migrate", "testing")
 
 
 def unlisted_modules(package: Path) -> list[str]:
