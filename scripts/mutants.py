@@ -214,6 +214,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="address-only-replan-skips-the-dtype-check",
+        bug="new grads that differ from the ones the kinds were planned for in their addresses and dtypes (the same "
+        "element counts) keep the kinds: a grad made float64 is read as float32",
+        file="pgregistry/grad_stats/_plan.py",
+        find='    operator.attrgetter("dtype"),\n',
+        replace="",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[dtype]",
+        ),
+    ),
+    Mutant(
+        name="address-only-replan-skips-the-shape-check",
+        bug="new grads that differ from the ones the kinds were planned for in their addresses and shapes (the same "
+        "element counts) keep the host blocks, which concatenate small grads by trailing shape",
+        file="pgregistry/grad_stats/_plan.py",
+        find='    operator.attrgetter("shape"),\n',
+        replace="",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[shape]",
+        ),
+    ),
+    Mutant(
         name="clip-scales-only-a-targets-pieces",
         bug="the kept plan takes the kinds of a target holding some of the pieces for every piece's: the clip leaves "
         "the pieces of the other targets (a duplicate not counted here, another reduction group) unscaled",

@@ -26,9 +26,10 @@ are scaled in place by the real coefficient.
 
 How a kind is read depends only on its tensors' layout (sizes, contiguity, addresses), not on their
 values: :func:`plan_kind` derives it and :mod:`pgregistry.grad_stats._plan` keeps it between calls
-for as long as that layout stays the same (only the host's float64 second read of a float32 first
-sum depends on values: local arithmetic, the collectives after it the same). Shares accumulate in
-float64 (:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element
+for as long as that layout stays the same, and where only the addresses change makes only the
+kernel's launch again (:func:`replan_launch`). Only the host's float64 second read of a float32
+first sum depends on values (local arithmetic, the collectives after it the same). Shares accumulate
+in float64 (:mod:`pgregistry.grad_stats._reductions`); the 1- and 2-norm from the first element
 (torch's norms take ``dtype=torch.float64``, the kernel squares in float64; on the host a float32
 first sum where it is exact), a float64 grad's 2-norm by range
 (:func:`~pgregistry.grad_stats._reductions.squares_by_range`), so neither needs a device sync.
@@ -73,6 +74,7 @@ __all__ = [
     "parts_of",
     "plan_kind",
     "read_kind",
+    "replan_launch",
     "row_norms",
     "scale_kind",
     "share_over_divisor",
@@ -163,6 +165,19 @@ def plan_kind(
     if device.type == "cpu":
         blocks = _host_blocks(tensors)
     return KindPlan(device, dtype, (), None, everything, blocks)
+
+
+def replan_launch(plan: KindPlan, tensors: Sequence[torch.Tensor]) -> KindPlan:
+    """``plan`` for ``tensors`` that differ from those it was made for in their addresses only.
+
+    Their element counts, contiguity, shapes, dtype and device are those ``plan`` was made for: of
+    what :func:`plan_kind` derives, only the kernel's launch table depends on addresses, so only it
+    is made again (the host blocks depend on shapes, torch's route on nothing). ``plan`` itself
+    where the kernel reads none of them."""
+    if not plan.kernel:
+        return plan
+    read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
+    return attrs.evolve(plan, launch=_fused.launch_of(read))
 
 
 def _host_blocks(

@@ -11,7 +11,11 @@ on one collection's groups:
   local piece, so plain grads and DTensor pieces go through the same one-read kernel, the placement
   reductions after), again only when the grads' types or DTensor specs change;
 * by the pieces' (device, dtype), sizes, addresses and contiguity
-  (:func:`~pgregistry.grad_stats._local.plan_kind`), again only when those change.
+  (:func:`~pgregistry.grad_stats._local.plan_kind`), again only when those change; where only the
+  addresses changed (new grads each step, ``zero_grad(set_to_none=True)``) and one pass finds every
+  piece's dtype, device and shape those the kinds were planned for, the kinds and their host blocks
+  are kept and only the one-read kernel's launch tables, which hold addresses, are made again
+  (:meth:`Plan._replan_launches`).
 
 The grads a rank holds but does not count (duplicates, ``shared`` copies) are read too, into seen
 parts (:func:`~pgregistry.grad_stats._reductions.nonfinite_part`) under the group their counted copy
@@ -84,7 +88,14 @@ from pgregistry.grad_stats._filters import (
     reduce_group_of,
     role_verdicts,
 )
-from pgregistry.grad_stats._local import KindPlan, parts_of, plan_kind, read_kind, scale_kind
+from pgregistry.grad_stats._local import (
+    KindPlan,
+    parts_of,
+    plan_kind,
+    read_kind,
+    replan_launch,
+    scale_kind,
+)
 from pgregistry.grad_stats._reductions import (
     Clipping,
     GroupKey,
@@ -109,6 +120,13 @@ _LOCAL: Final = operator.attrgetter("_local_tensor")
 _SPEC: Final = operator.attrgetter("_spec")
 _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
+_KIND_READS: Final = (
+    operator.attrgetter("dtype"),
+    operator.attrgetter("device"),
+    operator.attrgetter("shape"),
+)
+"""What a piece's kind and host blocks depend on beyond its address, size and contiguity: its dtype
+and device (its kind), its shape (the host concatenates small tensors by trailing shape)."""
 _ADDRESS: Final = torch._C.TensorBase.data_ptr
 _ADDRESSES_AT: Final[Callable[[list[Any], list[int], list[int]], bool] | None] = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None
@@ -274,6 +292,10 @@ class _Layout:
     at the old addresses or at new ones (a pass that makes a weak reference per grad, about twice
     the host floor at 20,000 parameters on the 2-core machine, for grads that die before the next
     call); grads replaced once are planned for again at once."""
+    kind_facts: list[Any] | None = None
+    """Each piece's :data:`_KIND_READS` when the kinds were planned: where only the pieces'
+    addresses changed and these are the same, the kinds hold and only their launches are made again
+    (:meth:`Plan._replan_launches`)."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -355,7 +377,8 @@ class Plan:
             raise
         same = facts == layout.facts
         if not same:
-            self._plan_kinds(layout, pieces, facts)
+            if not self._replan_launches(layout, pieces, facts):
+                self._plan_kinds(layout, pieces, facts)
             layout.planned_for = None  # planned for other pieces: never to be taken for these reads
         if not (dtensors or partial) and layout.misses & (layout.misses - 1) == 0:
             layout.planned_for = _Planned.of(grads, pieces)
@@ -492,6 +515,45 @@ class Plan:
         return (outer, int(expert)) if outer is not None else self.reduce_groups[int(expert)]
 
     @staticmethod
+    def _replan_launches(layout: _Layout, pieces: list[torch.Tensor], facts: list[int]) -> bool:
+        """Plan anew only what depends on the pieces' addresses, where nothing else changed.
+
+        Where ``facts`` (read as the layout's are) differ from the layout's in addresses only and
+        every piece's dtype, device and shape are those the kinds were planned for (one pass,
+        :func:`_facts_of`), each kind keeps its pieces, its route and its host blocks, and only its
+        launch table is made again (:func:`~pgregistry.grad_stats._local.replan_launch`): no
+        grouping by device and dtype, no host blocks (Python work per tensor). Else ``False``, and
+        nothing changed: the kinds must be planned in full."""
+        held = layout.facts
+        step = 3 if layout.reads_by_kernel else 2
+        if (
+            held is None
+            or layout.kind_facts is None
+            or len(facts) != len(held)
+            or any(facts[start::step] != held[start::step] for start in range(1, step))
+            or _facts_of(pieces, _KIND_READS) != layout.kind_facts
+        ):
+            return False
+        replanned: dict[int, _Kind] = {}  # by the old kind: every piece's kinds may be a target's
+
+        def again(kind: _Kind) -> _Kind:
+            if not kind.plan.kernel:
+                return kind
+            new = replanned.get(id(kind))
+            if new is None:
+                plan = replan_launch(kind.plan, kind.take(pieces))
+                new = replanned[id(kind)] = _Kind(kind.take, plan)
+            return new
+
+        layout.kinds = [(target, list(map(again, kinds))) for target, kinds in layout.kinds]
+        layout.watched_kinds = [
+            (target, list(map(again, kinds))) for target, kinds in layout.watched_kinds
+        ]
+        layout.every = list(map(again, layout.every))
+        layout.facts = facts
+        return True
+
+    @staticmethod
     def _plan_kinds(layout: _Layout, pieces: list[torch.Tensor], facts: list[int]) -> None:
         """Group each target's pieces (and all of them) by kind and plan their reads.
 
@@ -522,6 +584,7 @@ class Plan:
             if layout.reads_by_kernel == read_contiguity
             else _piece_facts(pieces, layout.reads_by_kernel)
         )
+        layout.kind_facts = _facts_of(pieces, _KIND_READS)
 
 
 def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
@@ -548,6 +611,14 @@ def _piece_facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
         torch.Tensor.numel,
         *([torch.Tensor.is_contiguous] if contiguity else []),
     ]
+    return _facts_of(pieces, reads)
+
+
+def _facts_of(pieces: list[torch.Tensor], reads: Sequence[Callable[[Any], Any]]) -> list[Any]:
+    """What each of ``reads`` gives of each piece, one piece after another, in one flat list.
+
+    Read piece by piece (a ``zip`` of ``map`` calls, C speed): each tensor's metadata comes from
+    memory once (:func:`_piece_facts`)."""
     return list(chain.from_iterable(zip(*(map(read, pieces) for read in reads), strict=True)))
 
 

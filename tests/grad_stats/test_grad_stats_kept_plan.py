@@ -247,6 +247,90 @@ def test_grads_planned_for_before_a_new_plan_are_not_taken_by_it() -> None:
     call("the grads planned for before the last plan, given back")
 
 
+def _replace_grads(model: nn.Module, seed: int) -> list[torch.Tensor]:
+    """New grad objects for every parameter; the old ones returned (kept alive: the new are at new addresses)."""
+    old = _grads(model)
+    for offset, param in enumerate(model.parameters()):
+        param.grad = _fill(param, seed + offset)
+    return old
+
+
+def _check_clip(model: nn.Module, what: str) -> None:
+    """The clip to half the norm returns the oracle's norm and leaves the grads scaled by half (float64 oracle)."""
+    before = [grad.to(torch.float64, copy=True) for grad in _grads(model)]  # a float64 grad too
+    norm = _oracle(before)[0]
+    got = clip_grad_norm_(model, norm / 2, OFF)
+    assert float(got) == pytest.approx(norm, rel=1e-6), what
+    for grad, old in zip(_grads(model), before, strict=True):
+        torch.testing.assert_close(grad.double(), old * (norm / 2) / (norm + 1e-6), rtol=1e-5, atol=1e-7)
+
+
+def _counting_groupings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls of ``_plan._group_into_kinds`` (the full plan of the reads' kinds) from now on."""
+    from pgregistry.grad_stats import _plan
+
+    calls: list[int] = []
+    group = _plan._group_into_kinds
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return group(*args)
+
+    monkeypatch.setattr(_plan, "_group_into_kinds", counted)
+    return calls
+
+
+def test_new_grads_at_new_addresses_keep_the_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New grad objects of the same sizes, shapes, dtypes and devices at new addresses (``zero_grad``'s default,
+    then a backward) change only what depends on the addresses: the kinds and host blocks are kept, not grouped
+    again, and every statistic and the clip are the float64 oracle's."""
+    from pgregistry.grad_stats._plan import _KEPT
+
+    model = _model()
+    _check(model, _grads(model), "first call")
+    _check_clip(model, "first clip")
+    groupings = _counting_groupings(monkeypatch)
+    held = []
+    for step in range(4):  # calls 1, 2, 3, 4 in a row: the grads planned for again at 1, 2 and 4
+        held.append(_replace_grads(model, 500 + 10 * step))
+        layout = _KEPT[model].plan._layout
+        assert layout is not None and layout.facts is not None
+        facts_before = list(layout.facts)
+        _check(model, _grads(model), f"new grads at new addresses, step {step}")
+        _check_clip(model, f"new grads at new addresses, step {step}, clip")
+        assert layout.facts != facts_before, "the grads came at their predecessors' addresses: nothing tested"
+    assert not groupings, "grads at new addresses, nothing else changed, grouped into kinds again"
+
+
+@pytest.mark.parametrize(
+    ("what", "bias"),
+    [
+        ("float64", torch.zeros(3, dtype=torch.float64)),  # as Module.double() would, for one parameter
+        ("of shape (3, 1)", torch.zeros(3, 1)),  # read with the other bias (1-D) before: one host block
+    ],
+    ids=["dtype", "shape"],
+)
+def test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full(
+    monkeypatch: pytest.MonkeyPatch, what: str, bias: torch.Tensor
+) -> None:
+    """A new grad of another dtype or another shape, with the same element count, at a new address differs from
+    the one before only in its address by the facts a call reads each time (addresses, element counts,
+    contiguity): the kinds must be planned in full, or the grad would be read as the old dtype (the norm in
+    float32 where a grad is float64) or concatenated with tensors of another trailing shape."""
+    model = _model()
+    _check(model, _grads(model), "first call")
+    groupings = _counting_groupings(monkeypatch)
+    model.a.bias.data = bias
+    held = _replace_grads(model, 600)
+    assert model.a.bias.grad.dtype == bias.dtype and model.a.bias.grad.shape == bias.shape
+    _check(model, _grads(model), f"one grad {what}, the same element count, at a new address")
+    assert groupings, "not planned in full"
+    _check_clip(model, f"one grad {what}, clip")
+    norm_dtype = torch.float64 if bias.dtype == torch.float64 else torch.float32
+    assert grad_norm(model, OFF).dtype == norm_dtype, "the grads read as dtypes they no longer have"
+    assert held
+
+
 def test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad() -> None:
     """A grad object freed and another tensor made over its storage can take its id too (CPython reuses the memory,
     often at once): same id, same address, perhaps other strides. The plan knows its grads by id only while all of

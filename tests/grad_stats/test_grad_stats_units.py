@@ -281,3 +281,29 @@ def _audit_with_extra_param_on_rank_1() -> str:
 def test_audit_refuses_different_structures_on_every_rank() -> None:
     for message in run_world(2, _audit_with_extra_param_on_rank_1, timeout=30):
         assert "same parameters" in message and "dp_cp" in message
+
+
+def test_a_kinds_launch_replanned_for_new_addresses_is_the_new_tensors_launch() -> None:
+    """Tensors of the same sizes at new addresses keep a kind's route (kernel and rest) and host blocks; its launch
+    table is the one made for the new tensors (built on the host for host tensors: no kernel runs here), and a kind
+    the kernel does not read is kept as it is."""
+    from pgregistry.grad_stats import _fused
+    from pgregistry.grad_stats._local import KindPlan, plan_kind, replan_launch
+
+    def tensors(gap: int) -> list[torch.Tensor]:  # the third after a gap: its offset from the first is known
+        flat = torch.ones(70_000 + gap + 9)
+        return [flat[:70_000], torch.ones(4, 3).t(), flat[70_000 + gap :]]
+
+    old = tensors(0)
+    kernel_read = [old[0], old[2]]
+    plan = KindPlan(old[0].device, old[0].dtype, (0, 2), _fused.launch_of(kernel_read), (1,), ())
+    new = tensors(1_000)
+    replanned = replan_launch(plan, new)
+    expected = _fused.launch_of([new[0], new[2]])
+    assert replanned.launch is not None and expected.table is not None and plan.launch is not None
+    assert (replanned.kernel, replanned.rest, replanned.blocks) == (plan.kernel, plan.rest, plan.blocks)
+    assert replanned.launch.base == expected.base
+    assert torch.equal(replanned.launch.table, expected.table)
+    assert plan.launch.table is not None and not torch.equal(replanned.launch.table, plan.launch.table)
+    host = plan_kind(new, new[0].device, new[0].dtype)
+    assert replan_launch(host, tensors(2_000)) is host
