@@ -536,7 +536,7 @@ class Plan:
             return False
         replanned: dict[int, _Kind] = {}  # by the old kind: every piece's kinds may be a target's
 
-        def again(kind: _Kind) -> _Kind:
+        def with_new_launch(kind: _Kind) -> _Kind:
             if not kind.plan.kernel:
                 return kind
             new = replanned.get(id(kind))
@@ -545,11 +545,13 @@ class Plan:
                 new = replanned[id(kind)] = _Kind(kind.take, plan)
             return new
 
-        layout.kinds = [(target, list(map(again, kinds))) for target, kinds in layout.kinds]
-        layout.watched_kinds = [
-            (target, list(map(again, kinds))) for target, kinds in layout.watched_kinds
+        layout.kinds = [
+            (target, list(map(with_new_launch, kinds))) for target, kinds in layout.kinds
         ]
-        layout.every = list(map(again, layout.every))
+        layout.watched_kinds = [
+            (target, list(map(with_new_launch, kinds))) for target, kinds in layout.watched_kinds
+        ]
+        layout.every = list(map(with_new_launch, layout.every))
         layout.facts = facts
         return True
 
