@@ -380,11 +380,14 @@ class L:
     assert '    tp_group = tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")\n' \
         in text
     assert '        cp_group = pg_group(pg_collection, "cp")\n' in text
+    # an attribute flag is read once, after the group, whether or not the group is None: both go through a lambda
+    # (black's split)
     assert (
-        '        self.tp_group = (\n            tp_group\n            if tp_group is not None\n'
-        '            else (\n                pg_read(pg_collection, "expt_tp", "group_if_none")\n'
-        '                if self.is_expert\n                else pg_read(pg_collection, "tp", "group_if_none")\n'
-        '            )\n        )\n' in text  # black\'s split
+        '        self.tp_group = (\n            lambda tp_group, is_expert: (\n                tp_group\n'
+        '                if tp_group is not None\n                else (\n'
+        '                    pg_read(pg_collection, "expt_tp", "group_if_none")\n                    if is_expert\n'
+        '                    else pg_read(pg_collection, "tp", "group_if_none")\n                )\n'
+        '            )\n        )(tp_group, self.is_expert)\n' in text
     )
     # the imports the reads needed go, the helper's comes in their place, and no noqa marker is added
     assert text.startswith("\nfrom _process_group_fallback import pg_group, pg_read\n\ndef f(")
