@@ -1319,6 +1319,16 @@ MUTANTS: tuple[Mutant, ...] = (
                "tests/migrate/test_migrate_rewrites.py::test_existing_fallbacks_go_through_the_warning_lazily"),
     ),
     Mutant(
+        name="migrate-drops-an-evaluated-keyword",
+        bug="migrate rewrites is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage) without "
+        "vp_stage=: the property the call read is no longer read",
+        file="pgregistry/migrate/_plan.py",
+        find="            reason = _expression_left_unread(read)\n",
+        replace="            reason = None\n",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_keyword_the_rewrite_would_drop_is_still_evaluated",),
+    ),
+    Mutant(
         name="migrate-shim-fallback-checked",
         bug="migrate dissolves a use_mpu_process_groups shim into reads that fall back to the checked getter, which "
         "asserts where the shim gave None (parallel_state not initialised; Megatron-LM #6234's gtp_remat shims)",

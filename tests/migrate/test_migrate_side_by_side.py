@@ -39,6 +39,9 @@ def get_tensor_model_parallel_world_size(**keywords):
 
 def get_tensor_model_parallel_group(**keywords):
     return "the tensor-parallel group"
+
+def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None):
+    return True
 """
 #: Megatron-Core's ``utils`` as the probes see it: its fallback helper, as Megatron-Core's answers.
 _STAND_IN_UTILS = """
@@ -419,3 +422,29 @@ def test_a_fallback_helpers_argument_and_flag_are_read_once_and_in_order(tmp_pat
     assert seen[expressions[0]] == repr(("mine", "mine", "mine", reads)), seen
     assert seen[expressions[2]] == repr(("the expert tensor-parallel group", "the tensor-parallel group",
                                          "the expert tensor-parallel group", reads)), seen
+
+
+def test_a_keyword_the_rewrite_would_drop_is_still_evaluated(tmp_path: Path) -> None:
+    """``is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage)`` reads the property though the
+    accessor ignores it: the rewrite, which passes no ``vp_stage=`` there, left it unread (found by the audit of the
+    rewrite, docs/reliability.md). The read stays; the file's other read is rewritten."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/stage.py": """
+            from megatron.core import parallel_state
+
+            class Stage:
+                def __init__(self, pg_collection=None):
+                    self.reads = []
+                    self.first = parallel_state.is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage)
+                    self.rank = parallel_state.get_tensor_model_parallel_rank()
+
+                @property
+                def vp_stage(self):
+                    self.reads.append("vp_stage")
+                    return 0
+        """,
+    }
+    expression = "(lambda s: (s.first, s.rank, s.reads))(__import__('pkg.stage').stage.Stage())"
+    seen = _side_by_side(tmp_path, files, [expression], settings=("with",))
+    assert seen[expression] == repr((True, 3, ["vp_stage"])), seen
