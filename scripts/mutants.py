@@ -1326,7 +1326,19 @@ MUTANTS: tuple[Mutant, ...] = (
         find="            reason = _expression_left_unread(read)\n",
         replace="            reason = None\n",
         tests=("tests/migrate/test_migrate_side_by_side.py::"
-               "test_a_keyword_the_rewrite_would_drop_is_still_evaluated",),
+               "test_a_keyword_the_rewrite_would_drop_is_still_evaluated",
+               "tests/migrate/test_migrate_rewrites.py::"
+               "test_a_keyword_expression_a_target_would_not_evaluate_leaves_the_read"),
+    ),
+    Mutant(
+        name="migrate-pgregistry-drops-check-initialized",
+        bug="migrate --target pgregistry rewrites get_tensor_model_parallel_group(check_initialized=self.checked) "
+        "without the keyword: the property the call read is no longer read",
+        file="pgregistry/migrate/_plan.py",
+        find="passed_on = () if read.site.family == HELPER else read.choice.forwarded",
+        replace='passed_on = () if read.site.family == HELPER else (*read.choice.forwarded, "check_initialized")',
+        tests=("tests/migrate/test_migrate_rewrites.py::"
+               "test_a_keyword_expression_a_target_would_not_evaluate_leaves_the_read",),
     ),
     Mutant(
         name="migrate-shim-fallback-checked",

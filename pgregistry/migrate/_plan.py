@@ -777,20 +777,19 @@ def _function_choice(read: Read, gtp_remat: bool, virtual_stages: bool = False) 
 
 #: The keywords a read's flag is, tested by its replacement (:func:`_function_choice`'s ``when``).
 _FLAGS = ("is_expert", "tp_only_amax_red")
-#: The keywords the ``megatron`` target's fallback is passed wherever the read passed them.
-_PASSED_ON = ("check_initialized",)
 
 
 def _expression_left_unread(read: Read) -> str | None:
     """Why not, where the replacement would not evaluate a keyword argument the call evaluated.
 
     The call evaluated each of its arguments once. The replacement tests a flag once and passes on
-    ``check_initialized=`` and the keywords the choice forwards; it drops the others (their literal
-    picked the field), and a fallback helper's keywords it passes on only where its group is None.
-    A literal or a plain name reads the same unread; an attribute (a property), a call or a
-    subscript would no longer run (``vp_stage=self.vp_stage`` beside ``ignore_virtual=True``)."""
+    the keywords the choice forwards; it drops the others (their literal picked the field), passes
+    on ``check_initialized=`` for the ``megatron`` target only, and a fallback helper's keywords
+    only where its group is None. A literal or a plain name reads the same unread; an attribute (a
+    property), a call or a subscript would no longer run (``vp_stage=self.vp_stage`` beside
+    ``ignore_virtual=True``)."""
     assert read.call is not None and read.choice is not None
-    passed_on = () if read.site.family == HELPER else (*_PASSED_ON, *read.choice.forwarded)
+    passed_on = () if read.site.family == HELPER else read.choice.forwarded
     for argument in read.call.args:
         value = argument.value
         if (

@@ -1017,3 +1017,24 @@ class F(torch.autograd.Function):
 '''
     assert reasons(tmp_path, source) == [
         "forward of an autograd Function: torch calls it through .apply(...), which takes no keyword"]
+
+
+def test_a_keyword_expression_a_target_would_not_evaluate_leaves_the_read(tmp_path: Path) -> None:
+    """``check_initialized=self.checked``: ``--target pgregistry`` passes no such keyword, so the property the call
+    read would go unread; the read stays, in both targets (a plain name is read the same unread: rewritten)."""
+    source = """
+from megatron.core import parallel_state
+
+def f(checked, pg_collection=None):
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=checked)
+
+class L:
+    def g(self, pg_collection=None):
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=self.checked)
+"""
+    why = "check_initialized= is an expression the rewrite would not evaluate where the call did"
+    assert [reason for reason in reasons(tmp_path, source) if why in reason] != []
+    for target in ("megatron", "pgregistry"):
+        text = after(tmp_path / target, source, target=target)
+        assert "parallel_state.get_tensor_model_parallel_group(check_initialized=self.checked)" in text
+        assert "    return pg_group(pg_collection, \"tp\"" in text

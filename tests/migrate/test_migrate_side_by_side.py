@@ -426,25 +426,34 @@ def test_a_fallback_helpers_argument_and_flag_are_read_once_and_in_order(tmp_pat
 
 def test_a_keyword_the_rewrite_would_drop_is_still_evaluated(tmp_path: Path) -> None:
     """``is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage)`` reads the property though the
-    accessor ignores it: the rewrite, which passes no ``vp_stage=`` there, left it unread (found by the audit of the
-    rewrite, docs/reliability.md). The read stays; the file's other read is rewritten."""
+    accessor ignores it, and a fallback helper call reads its ``check_initialized=`` whether or not its group is None:
+    the rewrite, which passes no ``vp_stage=`` there and passed the helper's on only where the group was None, left
+    them unread (found by the audit of the rewrite, docs/reliability.md). Those reads stay; the file's other read is
+    rewritten."""
     files = {
         "pkg/__init__.py": "",
         "pkg/stage.py": """
             from megatron.core import parallel_state
+            from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
             class Stage:
-                def __init__(self, pg_collection=None):
+                def __init__(self, tp_group, pg_collection=None):
                     self.reads = []
                     self.first = parallel_state.is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage)
+                    self.group = get_tensor_model_parallel_group_if_none(tp_group, check_initialized=self.checked)
                     self.rank = parallel_state.get_tensor_model_parallel_rank()
 
                 @property
                 def vp_stage(self):
                     self.reads.append("vp_stage")
                     return 0
+
+                @property
+                def checked(self):
+                    self.reads.append("checked")
+                    return True
         """,
     }
-    expression = "(lambda s: (s.first, s.rank, s.reads))(__import__('pkg.stage').stage.Stage())"
+    expression = "(lambda s: (s.first, s.group, s.rank, s.reads))(__import__('pkg.stage').stage.Stage('mine'))"
     seen = _side_by_side(tmp_path, files, [expression], settings=("with",))
-    assert seen[expression] == repr((True, 3, ["vp_stage"])), seen
+    assert seen[expression] == repr((True, "mine", 3, ["vp_stage", "checked"])), seen
