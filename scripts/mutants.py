@@ -1332,6 +1332,39 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_an_attribute_another_file_assigns_is_in_scope_only_where_a_class_declares_it"),
     ),
     Mutant(
+        name="migrate-helper-argument-read-twice",
+        bug="migrate rewrites get_tensor_model_parallel_group_if_none(self.tp_group, is_expert=self.is_expert) as "
+        "'self.tp_group if self.tp_group is not None else ...': the group read twice, the flag only where it is None",
+        file="pgregistry/migrate/_idioms.py",
+        find="parameters = self._parameters(read, forwarded) if _read_once(read) else None",
+        replace="parameters = None",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_fallback_helpers_argument_and_flag_are_read_once_and_in_order",
+               "tests/migrate/test_migrate_rewrites.py::test_existing_fallbacks_go_through_the_warning_lazily"),
+    ),
+    Mutant(
+        name="migrate-drops-an-evaluated-keyword",
+        bug="migrate rewrites is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage) without "
+        "vp_stage=: the property the call read is no longer read",
+        file="pgregistry/migrate/_plan.py",
+        find="            reason = _expression_left_unread(read)\n",
+        replace="            reason = None\n",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_keyword_the_rewrite_would_drop_is_still_evaluated",
+               "tests/migrate/test_migrate_rewrites.py::"
+               "test_a_keyword_expression_a_target_would_not_evaluate_leaves_the_read"),
+    ),
+    Mutant(
+        name="migrate-pgregistry-drops-check-initialized",
+        bug="migrate --target pgregistry rewrites get_tensor_model_parallel_group(check_initialized=self.checked) "
+        "without the keyword: the property the call read is no longer read",
+        file="pgregistry/migrate/_plan.py",
+        find="passed_on = () if read.site.family == HELPER else read.choice.forwarded",
+        replace='passed_on = () if read.site.family == HELPER else (*read.choice.forwarded, "check_initialized")',
+        tests=("tests/migrate/test_migrate_rewrites.py::"
+               "test_a_keyword_expression_a_target_would_not_evaluate_leaves_the_read",),
+    ),
+    Mutant(
         name="migrate-shim-fallback-checked",
         bug="migrate dissolves a use_mpu_process_groups shim into reads that fall back to the checked getter, which "
         "asserts where the shim gave None (parallel_state not initialised; Megatron-LM #6234's gtp_remat shims)",

@@ -109,18 +109,59 @@ class Idiom:
                 for a in read.call.args
                 if a.keyword is not None and a.keyword.value in (*_FORWARDED, *choice.forwarded)
             )
+        # a fallback helper's argument or flag that reading may change is bound once, in a lambda
+        parameters = self._parameters(read, forwarded) if _read_once(read) else None
         code, operator = self._read_code(read, choice.field, forwarded), False
         if read.when:
             other = self._read_code(read, read.when_field, forwarded)
-            code, operator = f"{other} if {read.when} else {code}", True
+            flag = parameters[1] if parameters else read.when
+            code, operator = f"{other} if {flag} else {code}", True
+        if parameters:
+            given, flag = parameters
+            names = ", ".join(filter(None, (given, flag)))
+            values = ", ".join(filter(None, (read.given, read.when)))
+            return f"(lambda {names}: {given} if {given} is not None else {code})({values})", False
         if read.given:
             code, operator = f"{read.given} if {read.given} is not None else {code}", True
         return code, operator
+
+    def _parameters(self, read: Read, forwarded: str) -> tuple[str, str]:
+        """The names the lambda binds a fallback helper's argument and flag to ("": no flag).
+
+        The last name of each expression (``self.tp_group`` -> ``tp_group``), suffixed where the
+        collection's expression, a forwarded keyword's value or a helper's name uses it (the lambda
+        would hide it from them)."""
+        used = {
+            *_IDENTIFIER.findall(f"{read.collection} {forwarded}"),
+            *(self.call_name(name) for name in (*HELPERS.values(), _READ)),
+        }
+        names = []
+        for expression in (read.given, read.when):
+            name = _IDENTIFIER.findall(expression)[-1] if expression else ""
+            while name and name in used:
+                name += "_given"
+            used.add(name)
+            names.append(name)
+        return names[0], names[1]
+
+
+def _read_once(read: Read) -> bool:
+    """Whether a fallback helper's argument or flag must be bound to be read once, in order.
+
+    The helper call read its argument, then its ``is_expert=`` flag, once each. A plain name reads
+    the same each time, so ``tp_group if tp_group is not None else ...`` keeps that; an attribute
+    (a property, a proxy's lookup) would be read twice, and the flag only where the argument is
+    None, so both are passed to a lambda that tests its parameter: the collection is still read
+    only where the argument is None."""
+    return bool(read.given) and not (
+        read.given.isidentifier() and (not read.when or read.when.isidentifier())
+    )
 
 
 #: The targets by name.
 TARGETS = ("megatron", "pgregistry")
 _WORDS = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*")
+_IDENTIFIER = re.compile(_WORDS.pattern.decode())
 
 
 def helper_aliases(data: bytes, imported: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

@@ -216,6 +216,8 @@ def _black_lines(
                 unit,
             )
         ]
+    if _is_lambda_call(value):
+        return _lambda_call_lines(head, value, tail, indent, width, unit)
     parts = _parts_at_delimiters(value)
     found = _split_call(value)
     call, suffix = found if found is not None else (None, "")
@@ -272,6 +274,45 @@ def _black_lines(
         [body] if _fits_width(deeper, body, width) else _one_part_a_line(parts, deeper, width, unit)
     )
     return [head + "(", *(unit + line for line in inner), ")" + tail]
+
+
+def _is_lambda_call(value: cst.BaseExpression) -> bool:
+    """Whether ``value`` is ``(lambda ...: ...)(arguments)`` (a helper argument read once)."""
+    return (
+        isinstance(value, cst.Call)
+        and not value.lpar
+        and isinstance(value.func, cst.Lambda)
+        and len(value.func.lpar) == 1
+        and not value.func.body.lpar
+    )
+
+
+def _lambda_call_lines(
+    head: str, value: cst.BaseExpression, tail: str, indent: int, width: int, unit: str
+) -> list[str]:
+    """``(lambda ...: ...)(arguments)`` as black writes it where too long.
+
+    The lambda on lines of its own in parentheses, its body in parentheses split at its
+    delimiters, the arguments after the closing parenthesis."""
+    assert isinstance(value, cst.Call) and isinstance(value.func, cst.Lambda)
+    function = value.func
+    lambda_head = _source_of(function.with_changes(lpar=[], rpar=[], body=cst.Name("_")))[:-1]
+    parts = _parts_at_delimiters(function.body)
+    body_indent = indent + 2 * len(unit.expandtabs(4))
+    body = _source_of(function.body)
+    inner = (
+        [body]
+        if parts is None or _fits_width(body_indent, body, width)
+        else _one_part_a_line(parts, body_indent, width, unit)
+    )
+    arguments = _source_of(value)[len(_source_of(function)) :]
+    return [
+        head + "(",
+        unit + lambda_head + "(",
+        *(unit * 2 + line for line in inner),
+        unit + ")",
+        ")" + arguments + tail,
+    ]
 
 
 def _one_part_a_line(

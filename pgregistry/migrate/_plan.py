@@ -775,6 +775,37 @@ def _function_choice(read: Read, gtp_remat: bool, virtual_stages: bool = False) 
     return collection_field(accessor, keywords, gtp_remat=gtp_remat, virtual_stages=virtual_stages)
 
 
+#: The keywords a read's flag is, tested by its replacement (:func:`_function_choice`'s ``when``).
+_FLAGS = ("is_expert", "tp_only_amax_red")
+
+
+def _expression_left_unread(read: Read) -> str | None:
+    """Why not, where the replacement would not evaluate a keyword argument the call evaluated.
+
+    The call evaluated each of its arguments once. The replacement tests a flag once and passes on
+    the keywords the choice forwards; it drops the others (their literal picked the field), passes
+    on ``check_initialized=`` for the ``megatron`` target only, and a fallback helper's keywords
+    only where its group is None. A literal or a plain name reads the same unread; an attribute (a
+    property), a call or a subscript would no longer run (``vp_stage=self.vp_stage`` beside
+    ``ignore_virtual=True``)."""
+    assert read.call is not None and read.choice is not None
+    passed_on = () if read.site.family == HELPER else read.choice.forwarded
+    for argument in read.call.args:
+        value = argument.value
+        if (
+            argument.keyword is None
+            or argument.keyword.value in (*_FLAGS, *passed_on)
+            or isinstance(value, cst.Name)
+            or _literal_value(value) is not ...
+        ):
+            continue
+        return (
+            f"{argument.keyword.value}= is an expression the rewrite would not evaluate where the "
+            "call did (pass a literal or a plain name)"
+        )
+    return None
+
+
 def _call_head_name(read: Read) -> str:
     """The first name of what ``read`` calls (``self`` in ``self.mpu.get_x()``)."""
     assert read.call is not None
@@ -1468,6 +1499,8 @@ def plan_file(
         if reason is None and read.shim is None:
             read.choice = _function_choice(read, gtp_remat, virtual_stages)
             reason = read.choice.reason or None
+        if reason is None and read.shim is None:
+            reason = _expression_left_unread(read)
         if reason is None and read.site.family == HELPER:
             given = read.call.args[0].value
             if _attribute_parts(given) is None and not (

@@ -380,11 +380,14 @@ class L:
     assert '    tp_group = tp_group if tp_group is not None else pg_read(pg_collection, "tp", "group_if_none")\n' \
         in text
     assert '        cp_group = pg_group(pg_collection, "cp")\n' in text
+    # an attribute flag is read once, after the group, whether or not the group is None: both go through a lambda
+    # (black's split)
     assert (
-        '        self.tp_group = (\n            tp_group\n            if tp_group is not None\n'
-        '            else (\n                pg_read(pg_collection, "expt_tp", "group_if_none")\n'
-        '                if self.is_expert\n                else pg_read(pg_collection, "tp", "group_if_none")\n'
-        '            )\n        )\n' in text  # black\'s split
+        '        self.tp_group = (\n            lambda tp_group, is_expert: (\n                tp_group\n'
+        '                if tp_group is not None\n                else (\n'
+        '                    pg_read(pg_collection, "expt_tp", "group_if_none")\n                    if is_expert\n'
+        '                    else pg_read(pg_collection, "tp", "group_if_none")\n                )\n'
+        '            )\n        )(tp_group, self.is_expert)\n' in text
     )
     # the imports the reads needed go, the helper's comes in their place, and no noqa marker is added
     assert text.startswith("\nfrom _process_group_fallback import pg_group, pg_read\n\ndef f(")
@@ -1014,3 +1017,24 @@ class F(torch.autograd.Function):
 '''
     assert reasons(tmp_path, source) == [
         "forward of an autograd Function: torch calls it through .apply(...), which takes no keyword"]
+
+
+def test_a_keyword_expression_a_target_would_not_evaluate_leaves_the_read(tmp_path: Path) -> None:
+    """``check_initialized=self.checked``: ``--target pgregistry`` passes no such keyword, so the property the call
+    read would go unread; the read stays, in both targets (a plain name is read the same unread: rewritten)."""
+    source = """
+from megatron.core import parallel_state
+
+def f(checked, pg_collection=None):
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=checked)
+
+class L:
+    def g(self, pg_collection=None):
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=self.checked)
+"""
+    why = "check_initialized= is an expression the rewrite would not evaluate where the call did"
+    assert [reason for reason in reasons(tmp_path, source) if why in reason] != []
+    for target in ("megatron", "pgregistry"):
+        text = after(tmp_path / target, source, target=target)
+        assert "parallel_state.get_tensor_model_parallel_group(check_initialized=self.checked)" in text
+        assert "    return pg_group(pg_collection, \"tp\"" in text

@@ -39,6 +39,16 @@ def get_tensor_model_parallel_world_size(**keywords):
 
 def get_tensor_model_parallel_group(**keywords):
     return "the tensor-parallel group"
+
+def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None):
+    return True
+"""
+#: Megatron-Core's ``utils`` as the probes see it: its fallback helper, as Megatron-Core's answers.
+_STAND_IN_UTILS = """
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+    if tp_group is not None:
+        return tp_group
+    return "the expert tensor-parallel group" if is_expert else "the tensor-parallel group"
 """
 #: Run in each tree: each expression's value, or its exception's type (a failed import included).
 _PROBE = """
@@ -58,7 +68,8 @@ print(json.dumps(outcomes))
 def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, str]:
     stand_in = root.parent / "stand_in"
     write_sources(stand_in, {"megatron/__init__.py": "", "megatron/core/__init__.py": "",
-                             "megatron/core/parallel_state.py": _STAND_IN})
+                             "megatron/core/parallel_state.py": _STAND_IN,
+                             "megatron/core/utils.py": _STAND_IN_UTILS})
     path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
     completed = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(expressions), megatron],
@@ -67,9 +78,11 @@ def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, st
     return json.loads(completed.stdout)
 
 
-def _side_by_side(tmp_path: Path, files: dict[str, str], expressions: list[str]) -> dict[str, str]:
+def _side_by_side(tmp_path: Path, files: dict[str, str], expressions: list[str],
+                  settings: tuple[str, ...] = ("with", "without")) -> dict[str, str]:
     """Each of ``expressions``' outcome in the original tree and in its migrated copy, with Megatron-Core and without
-    it: asserted equal; returned for the original with Megatron-Core (to check the probe sees something)."""
+    it (``settings``): asserted equal; returned for the original with Megatron-Core (to check the probe sees
+    something)."""
     original, migrated = tmp_path / "original", tmp_path / "migrated"
     write_sources(original, {path: textwrap.dedent(text) for path, text in files.items()})
     sources = write_sources(migrated, {path: textwrap.dedent(text) for path, text in files.items()})
@@ -78,7 +91,7 @@ def _side_by_side(tmp_path: Path, files: dict[str, str], expressions: list[str])
     assert migration.changes, "nothing was rewritten: the test would compare a tree with itself"
     for change in migration.changes:
         (migrated / change.path).write_bytes(change.after)
-    for megatron in ("with", "without"):
+    for megatron in settings:
         before = _outcomes(original, expressions, megatron)
         assert _outcomes(migrated, expressions, megatron) == before, megatron
     return _outcomes(original, expressions, "with")
@@ -372,3 +385,75 @@ def test_a_local_collection_assigned_in_a_block_is_not_read_where_the_block_did_
                    f"{blocks}.call_after_try({blocks}.fails)"]
     assert _side_by_side(tmp_path, files, expressions) == dict.fromkeys(expressions[:1], "3") | dict.fromkeys(
         expressions[1:], "4")
+
+
+def test_a_fallback_helpers_argument_and_flag_are_read_once_and_in_order(tmp_path: Path) -> None:
+    """``get_tensor_model_parallel_group_if_none(self.tp_group, is_expert=self.is_expert)`` reads each property
+    once, the group first, whether or not the group is None (the rewrite read the group twice, and the flag only
+    where the group was None: found by the audit of the rewrite, docs/reliability.md)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/layer.py": """
+            from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+            class Layer:
+                def __init__(self, group, expert, pg_collection=None):
+                    self.reads, self._group, self._expert = [], group, expert
+                    self.chosen = get_tensor_model_parallel_group_if_none(self.tp_group, is_expert=self.is_expert)
+                    self.plain = get_tensor_model_parallel_group_if_none(self.tp_group)
+                    self.flagged = get_tensor_model_parallel_group_if_none(group, is_expert=self.is_expert)
+
+                @property
+                def tp_group(self):
+                    self.reads.append("tp_group")
+                    return self._group
+
+                @property
+                def is_expert(self):
+                    self.reads.append("is_expert")
+                    return self._expert
+        """,
+    }
+    layer = "__import__('pkg.layer').layer.Layer"
+    expressions = [f"(lambda l: (l.chosen, l.plain, l.flagged, l.reads))({layer}({group}, {expert}))"
+                   for group in ("'mine'", "None") for expert in ("True", "False")]
+    seen = _side_by_side(tmp_path, files, expressions, settings=("with",))
+    reads = ["tp_group", "is_expert", "tp_group", "is_expert"]
+    assert seen[expressions[0]] == repr(("mine", "mine", "mine", reads)), seen
+    assert seen[expressions[2]] == repr(("the expert tensor-parallel group", "the tensor-parallel group",
+                                         "the expert tensor-parallel group", reads)), seen
+
+
+def test_a_keyword_the_rewrite_would_drop_is_still_evaluated(tmp_path: Path) -> None:
+    """``is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage)`` reads the property though the
+    accessor ignores it, and a fallback helper call reads its ``check_initialized=`` whether or not its group is None:
+    the rewrite, which passes no ``vp_stage=`` there and passed the helper's on only where the group was None, left
+    them unread (found by the audit of the rewrite, docs/reliability.md). Those reads stay; the file's other read is
+    rewritten."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/stage.py": """
+            from megatron.core import parallel_state
+            from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+            class Stage:
+                def __init__(self, tp_group, pg_collection=None):
+                    self.reads = []
+                    self.first = parallel_state.is_pipeline_first_stage(ignore_virtual=True, vp_stage=self.vp_stage)
+                    self.group = get_tensor_model_parallel_group_if_none(tp_group, check_initialized=self.checked)
+                    self.rank = parallel_state.get_tensor_model_parallel_rank()
+
+                @property
+                def vp_stage(self):
+                    self.reads.append("vp_stage")
+                    return 0
+
+                @property
+                def checked(self):
+                    self.reads.append("checked")
+                    return True
+        """,
+    }
+    expression = "(lambda s: (s.first, s.group, s.rank, s.reads))(__import__('pkg.stage').stage.Stage('mine'))"
+    seen = _side_by_side(tmp_path, files, [expression], settings=("with",))
+    assert seen[expression] == repr((True, "mine", 3, ["vp_stage", "checked"])), seen
