@@ -1336,7 +1336,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate rewrites get_tensor_model_parallel_group_if_none(self.tp_group, is_expert=self.is_expert) as "
         "'self.tp_group if self.tp_group is not None else ...': the group read twice, the flag only where it is None",
         file="pgregistry/migrate/_idioms.py",
-        find="parameters = self._parameters(read, forwarded) if _read_once(read) else None",
+        find="parameters = self._lambda_parameter_names(read, forwarded) if _read_once(read) else None",
         replace="parameters = None",
         tests=("tests/migrate/test_migrate_side_by_side.py::"
                "test_a_fallback_helpers_argument_and_flag_are_read_once_and_in_order",

@@ -110,7 +110,7 @@ class Idiom:
                 if a.keyword is not None and a.keyword.value in (*_FORWARDED, *choice.forwarded)
             )
         # a fallback helper's argument or flag that reading may change is bound once, in a lambda
-        parameters = self._parameters(read, forwarded) if _read_once(read) else None
+        parameters = self._lambda_parameter_names(read, forwarded) if _read_once(read) else None
         code, operator = self._read_code(read, choice.field, forwarded), False
         if read.when:
             other = self._read_code(read, read.when_field, forwarded)
@@ -125,7 +125,7 @@ class Idiom:
             code, operator = f"{read.given} if {read.given} is not None else {code}", True
         return code, operator
 
-    def _parameters(self, read: Read, forwarded: str) -> tuple[str, str]:
+    def _lambda_parameter_names(self, read: Read, forwarded: str) -> tuple[str, str]:
         """The names the lambda binds a fallback helper's argument and flag to ("": no flag).
 
         The last name of each expression (``self.tp_group`` -> ``tp_group``), suffixed where the
