@@ -518,8 +518,8 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
         TypeError: an optimizer that is no ``ChainedOptimizer`` (a torch optimizer).
         ValueError: a sharded optimizer (its state was cut over the replicas, and the lost replica's
             piece has no copy: reload a checkpoint); an optimizer whose parameters are of lower
-            precision than their main grads (``build_optimizer`` attaches those through grad hooks
-            that the old optimizer would keep).
+            precision than their main grads (carrying their state is not supported: no test holds
+            it; reload a checkpoint).
 
     Example::
 
@@ -546,7 +546,7 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
         if hooked:
             raise ValueError(
                 f"{child.param_name(hooked[0])} ({hooked[0].dtype}) has main grads "
-                "of another dtype, attached through grad hooks the old optimizer "
-                "keeps: carrying its state is not supported; reload a checkpoint"
+                "of another dtype: carrying the state of such parameters is not "
+                "supported; reload a checkpoint"
             )
     new.load_state_dict(old.state_dict())
