@@ -89,6 +89,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="range-scale-squared",
+        bug="the 2-norm's range columns divided by S * S (2**1200, inf in float64): the middle column dropped "
+        "beside a large square, float64 grads on both sides of 2**256 given too small a norm",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="torch.sqrt(large + middle / _RANGE_SCALE / _RANGE_SCALE)",
+        replace="torch.sqrt(large + middle / (_RANGE_SCALE * _RANGE_SCALE))",
+        tests=(
+            "tests/grad_stats/test_norms_beyond_the_accumulation_range.py::"
+            "test_the_norm_is_exact_and_the_clip_scales_by_it[float64-2^256-p2]",
+        ),
+    ),
+    Mutant(
         name="negative-norm-clip-coefficient",
         bug="a negative total_norm on a device (not read back) clips by a negative coefficient: every grad flipped",
         file="pgregistry/grad_stats/_reductions.py",

@@ -495,12 +495,19 @@ def _two_norm_from_ranges(
     With a large square, ``sqrt(large + middle / S**2) * S`` (``S``: :data:`_RANGE_SCALE`; a small
     square is below a 2**-1024th of a large one: left out); else, with a middle one, ``sqrt(middle +
     small / S**2)``; else ``sqrt(small) / S``. Each quotient is a normal float64 or negligible
-    beside the column it joins. A NaN or inf in a column (a grad that is one) is the norm."""
-    square = _RANGE_SCALE * _RANGE_SCALE
+    beside the column it joins. ``S**2`` (2**1200) is no float64: each quotient divides by ``S``
+    twice, exactly (a product ``S * S`` is inf, and a quotient by it 0: the middle column was
+    dropped beside a large square, the small one beside a middle square, a norm of float64 grads on
+    both sides of 2**256 or 2**-256 too small). A NaN or inf in a column (a grad that is one) is
+    the norm."""
     exact = torch.where(
         large > 0,
-        torch.sqrt(large + middle / square) * _RANGE_SCALE,
-        torch.where(middle > 0, torch.sqrt(middle + small / square), small.sqrt() / _RANGE_SCALE),
+        torch.sqrt(large + middle / _RANGE_SCALE / _RANGE_SCALE) * _RANGE_SCALE,
+        torch.where(
+            middle > 0,
+            torch.sqrt(middle + small / _RANGE_SCALE / _RANGE_SCALE),
+            small.sqrt() / _RANGE_SCALE,
+        ),
     )
     every = middle + large + small
     return torch.where(every.isfinite(), exact, every)
