@@ -52,6 +52,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parent.parent
 for root in (REPO, REPO / "tests"):  # tests/ for fixtures: the float64 oracles of the fused step and the toy model
@@ -60,6 +61,7 @@ for root in (REPO, REPO / "tests"):  # tests/ for fixtures: the float64 oracles 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from fixtures.finish_cases import FINISH_ROWS, bits, finished_side_by_side  # noqa: E402
 from fixtures.optim_reference import (  # noqa: E402
     CASES,
     ROUNDING,
@@ -78,7 +80,13 @@ from pgregistry import registry  # noqa: E402
 from pgregistry.cli._options import positive_seconds  # noqa: E402
 from pgregistry.cli._torchrun_checks import Check, run_checks  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
-from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
+from pgregistry.grad_stats import (  # noqa: E402
+    _reductions,  # noqa: E402
+    clip_grad_norm_,
+    count_zeros,
+    grad_norm,
+    grad_norm_and_zeros,
+)
 from pgregistry.grad_stats._fused import can_run_fused_stats, clip_over_, launch_of, scale_  # noqa: E402
 from pgregistry.grad_stats._reductions import Wanted, clip_coefficient  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
@@ -282,8 +290,51 @@ def stats_api_checks(world: int, device: torch.device) -> list[Check]:
                    close(returned, want_norm) and worst < 1e-6, f"max error {worst:.2e}"))
     return (
         checks + kept_grads_checks(device) + fsdp_checks(world, device) + scale_kernel_checks(device)
-        + exact_norm_checks(device)
+        + exact_norm_checks(device) + finish_kernel_checks(model, pg, device)
     )
+
+
+def finish_kernel_checks(model: torch.nn.Module, pg: Any, device: torch.device) -> list[Check]:
+    """The finishing kernel compiled here: each case of ``tests/fixtures/finish_cases.py`` gives the bits of the
+    reductions' torch operations; and the model's statistics and clip over this world (the verdict's flags riding in
+    a reduction group's row where a group spans the ranks) give the same bits, and clip the grads to the same bits,
+    whether the kernel or torch's operations finish them."""
+    if device.type != "cuda" or not can_run_fused_stats(device):
+        return []
+    cases = finished_side_by_side(device)
+    differ = [name for name, (kernel, torch_path) in cases.items() if kernel != torch_path]
+    checks = [("finishing kernel: every reduced-rows case = the reductions' torch operations, bit for bit",
+               not differ and len(cases) == len(FINISH_ROWS) + 1, f"differ: {differ}")]
+    launched = []
+    real = _reductions.finish_rows
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        launched.append(kwargs["norm"])
+        return real(*args, **kwargs)
+
+    with_grads = [p for p in model.parameters() if p.grad is not None]
+    saved = [p.grad.clone() for p in with_grads]  # type: ignore[union-attr]
+    results = {}
+    for by_kernel in (True, False):
+        for param, grad in zip(with_grads, saved, strict=True):
+            param.grad.copy_(grad)  # type: ignore[union-attr]
+        with (
+            mock.patch.object(_reductions, "can_run_fused_stats", lambda _, on=by_kernel: on),
+            mock.patch.object(_reductions, "finish_rows", counting),
+        ):
+            norm, zeros = grad_norm_and_zeros(model, pg)
+            clipped = clip_grad_norm_(model, float(norm) / 3, pg)
+            results[by_kernel] = [bits(norm), bits(zeros), bits(grad_norm(model, pg)), bits(clipped),
+                                  [p.grad.clone() for p in with_grads]]  # type: ignore[union-attr]
+    for param, grad in zip(with_grads, saved, strict=True):
+        param.grad.copy_(grad)  # type: ignore[union-attr]
+    same = results[True][:4] == results[False][:4] and all(
+        torch.equal(a, b) for a, b in zip(results[True][4], results[False][4], strict=True)
+    )
+    checks.append(("finishing kernel over the model: norm + zeros, norm, clip and clipped grads = torch's "
+                   "operations' bits; three kernel launches", same and launched == [True, True, True],
+                   f"launches {launched}, kernel {results[True][:4]}, torch {results[False][:4]}"))
+    return checks
 
 
 def kept_grads_checks(device: torch.device) -> list[Check]:

@@ -17,6 +17,7 @@ import numbers
 import torch
 
 __all__ = [
+    "CLIP_EPSILON",
     "check_max_norm",
     "norm_type_as_float",
     "max_norm_error",
@@ -25,6 +26,13 @@ __all__ = [
     "real_number",
     "total_norm_as_tensor",
 ]
+
+
+CLIP_EPSILON = 1e-6
+"""Added to the total norm before dividing, as Megatron-Core does.
+
+``coeff = max_norm / (norm + 1e-6)``.
+"""
 
 
 def real_number(value: object) -> float | None:

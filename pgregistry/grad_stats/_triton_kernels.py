@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["scale_kernel", "squares_and_zeros_kernel"]
+__all__ = ["finish_kernel", "scale_kernel", "squares_and_zeros_kernel"]
 
 
 @triton.jit
@@ -161,3 +161,66 @@ def _scale_span(first, count, coeff, BLOCK: tl.constexpr, ITERS: tl.constexpr): 
         inside = offsets < count
         x = tl.load(first + offsets, mask=inside, other=0.0)
         tl.store(first + offsets, (x.to(tl.float32) * coeff).to(x.dtype), mask=inside)
+
+
+@triton.jit(do_not_specialize=["scale_bits"])
+def finish_kernel(
+    first_row_ptr,
+    second_row_ptr,
+    flags_ptr,
+    norm_ptr,
+    zeros_ptr,
+    narrow_ptr,
+    clip_narrow_ptr,
+    scale_bits,
+    TWO_ROWS: tl.constexpr,  # noqa: N803
+    NORM: tl.constexpr,  # noqa: N803
+    ZEROS: tl.constexpr,  # noqa: N803
+    FLAGS: tl.constexpr,  # noqa: N803
+    NARROW: tl.constexpr,  # noqa: N803
+):
+    """One program: the reduced rows of a 2-norm or zero-count call made its results.
+
+    The rows are float64 ``[middle, zeros, large, small]`` (``NORM``, the 2-norm's squares by range)
+    or ``[0, zeros]`` (the zero count alone); with ``TWO_ROWS`` the second row's columns are added
+    to the first's (one addition each, as torch's sum of two). ``FLAGS``: ``flags_ptr`` holds the
+    verdict's ``[NaN, inf]`` counts. It writes the 2-norm (float64; the range columns combined as
+    :func:`~pgregistry.grad_stats._reductions._two_norm_from_ranges` does, ``S`` given as the bits
+    of its float64 value, then the flags), with ``NARROW`` that norm in float32 and the clip's
+    float32 norm (the largest float32 where the float64 norm is finite beyond float32's range), and
+    with ``ZEROS`` the zero count (int64; the column holds whole numbers). Every operation is
+    torch's on a 0-dim float64 tensor: a float64 ``sqrt`` is correctly rounded (PTX has no
+    approximate one; ``sqrt_rn`` takes float32 only), divisions by powers of two are exact, so the
+    bits are the torch path's (``scripts/gpu_check.py`` compares them on the device)."""
+    if ZEROS:
+        zeros = tl.load(first_row_ptr + 1)
+        if TWO_ROWS:
+            zeros += tl.load(second_row_ptr + 1)
+        tl.store(zeros_ptr, zeros.to(tl.int64))
+    if NORM:
+        middle = tl.load(first_row_ptr)
+        large = tl.load(first_row_ptr + 2)
+        small = tl.load(first_row_ptr + 3)
+        if TWO_ROWS:
+            middle += tl.load(second_row_ptr)
+            large += tl.load(second_row_ptr + 2)
+            small += tl.load(second_row_ptr + 3)
+        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        exact = tl.where(
+            large > 0,
+            tl.sqrt(large + middle / scale / scale) * scale,
+            tl.where(middle > 0, tl.sqrt(middle + small / scale / scale), tl.sqrt(small) / scale),
+        )
+        every = middle + large + small
+        finite = (every == every) & (tl.abs(every) != float("inf"))
+        norm = tl.where(finite, exact, every)
+        if FLAGS:
+            nan = tl.load(flags_ptr)
+            inf = tl.load(flags_ptr + 1)
+            norm = tl.where(nan > 0, float("nan"), tl.where(inf > 0, float("inf"), norm))
+        tl.store(norm_ptr, norm)
+        if NARROW:
+            tl.store(narrow_ptr, norm.to(tl.float32))
+            largest = 3.4028234663852886e38  # float32's largest: exact as a float32 constant
+            clipped = tl.where(norm > largest, largest, norm)  # NaN and -inf kept; inf below
+            tl.store(clip_narrow_ptr, tl.where(norm == float("inf"), norm, clipped).to(tl.float32))

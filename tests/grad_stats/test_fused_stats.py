@@ -15,6 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
+from fixtures.finish_cases import FINISH_ROWS, bits, finished_side_by_side
 from fixtures.interpreter import in_interpreter
 from torch import nn
 
@@ -183,10 +184,36 @@ def _in_interpreter() -> dict[str, Any]:
         "model": (through_model, returned, clipped, launches),
         "other norms": (other_norms, other_launches),
         "uncounted": (uncounted, uncounted_launches),
+        "finished": finished_side_by_side(torch.device("cpu")),
+        "finished through a model": _finished_through_a_model(),
     }
 
 
 OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+
+def _finished_through_a_model() -> dict[str, list[int | None]]:
+    """The public calls on a model (its grads read by the kernel), their results finished by the kernel and by
+    torch's operations: the bits of each, and the clipped grads' bits; the kernel's launches counted."""
+    launches = []
+    real = fused_stats.finish_rows
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        launches.append(kwargs["norm"])
+        return real(*args, **kwargs)
+
+    out: dict[str, list[int | None]] = {}
+    for by_kernel in (True, False):
+        model = _model()
+        with (
+            mock.patch.object(reductions, "can_run_fused_stats", lambda device, on=by_kernel: on),
+            mock.patch.object(reductions, "finish_rows", counting),
+        ):
+            norm, zeros = grad_norm_and_zeros(model, OFF)
+            results = [bits(norm), bits(zeros), bits(grad_norm(model, OFF)), bits(clip_grad_norm_(model, 0.5, OFF))]
+            results.append(hash(tuple(torch.cat([p.grad.double().flatten() for p in model.parameters()]).tolist())))
+        out[f"by kernel {by_kernel}"] = results
+    out["launches"] = launches
+    return out
 
 
 def _model() -> nn.Module:
@@ -467,3 +494,23 @@ def test_a_nan_in_a_grad_no_rank_counts_is_read_by_the_kernel(interpreted: dict[
     # Each call reads the counted float32 and bf16 kinds and the shared float32 copy: three launches (two before).
     assert launches.count("read") == 3 * 2 * len(uncounted), launches
 
+
+
+def test_the_finishing_kernel_gives_the_bits_of_the_reductions_torch_operations(interpreted: dict[str, Any]) -> None:
+    """The reduced rows made results in one launch (the 2-norm from its range columns, the zero count, the norm in
+    float32 and as a clip returns it): every case's bits equal those of the torch operations the reductions run off
+    the kernels, NaN, inf, values beyond float32 and the range columns included."""
+    finished = dict(interpreted["finished"])
+    assert finished.pop("zeros only") == ([None, 8], [None, 8])
+    for name, (kernel, torch_path) in finished.items():
+        assert kernel == torch_path, name
+    assert len(finished) == len(FINISH_ROWS)
+
+
+def test_a_model_finished_by_the_kernel_gives_the_samebits(interpreted: dict[str, Any]) -> None:
+    """``grad_norm_and_zeros``, ``grad_norm`` and ``clip_grad_norm_`` on a model: the same bits and the same clipped
+    grads whether the kernel or torch's operations finish the reduction; the kernel finished each of the three calls
+    where asked to, and none otherwise."""
+    through = interpreted["finished through a model"]
+    assert through["by kernel True"] == through["by kernel False"]
+    assert through["launches"] == [True, True, True]
