@@ -33,7 +33,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 
@@ -46,6 +46,8 @@ from pgregistry._runtime.optional_kernels import (
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 __all__ = [
     "BLOCK",
@@ -164,22 +166,30 @@ def _vector_width(dtype: torch.dtype) -> int:
 
 
 def _launch_squares_and_zeros(
-    x: torch.Tensor, n: int, table: torch.Tensor | None, programs: int, block: int, iters: int
+    x: torch.Tensor,
+    n: int,
+    tables: tuple[torch.Tensor, torch.Tensor] | None,
+    programs: int,
+    block: int,
+    iters: int,
 ) -> torch.Tensor:
     """One launch of ``programs`` programs (at least one): its pairs summed.
 
-    The pairs are ``[sum of squares, zeros]`` (float64).
+    The pairs are ``[sum of squares, zeros]`` (float64); ``tables`` a launch's program table and
+    offsets, ``None`` for one contiguous tensor ``x`` of ``n`` elements.
     """
     import torch
 
     pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
+    table, offsets = (x, x) if tables is None else tables
     with launch_on(x.device):
         _require_kernels().squares_and_zeros_kernel[(programs,)](
             x,
             n,
-            x if table is None else table,
+            table,
+            offsets,
             pairs,
-            TABLE=table is not None,
+            TABLE=tables is not None,
             BLOCK=block,
             ITERS=iters,
             VEC=_vector_width(x.dtype),
@@ -250,7 +260,12 @@ def read_over(tensors: Sequence[torch.Tensor], launch: Launch) -> torch.Tensor:
     if launch.table is None:
         return _zero_pair(tensors[0].device)
     return _launch_squares_and_zeros(
-        tensors[launch.base], 0, launch.table, launch.table.shape[0], launch.block, launch.iters
+        tensors[launch.base],
+        0,
+        (launch.table, launch.offsets),
+        launch.table.shape[0],
+        launch.block,
+        launch.iters,
     )
 
 
@@ -310,6 +325,7 @@ def _scale_launch(
             tensors[launch.base],
             0,
             launch.table,
+            launch.offsets,
             value,
             float64_bits(max_norm or 0.0),
             _epsilon_bits(),
@@ -418,12 +434,16 @@ def _check_readable(tensors: Sequence[torch.Tensor], checked: bool) -> None:
 class Launch:
     """The programs of one launch over a list of tensors.
 
-    The index of the tensor at the lowest address (the kernel's base), the table of each program's
-    first element after it and element count (``None``: no elements), and the ``block`` and
-    ``iters`` the table was cut for."""
+    The index of the tensor the kernel addresses every tensor from (its base: the first that holds
+    elements), the table of each program's tensor, first element in it and element count (``None``:
+    no elements), each tensor's offset from the base in elements, and the ``block`` and ``iters``
+    the table was cut for. The table depends on the tensors' sizes only, the offsets on their
+    addresses: tensors of the same sizes at other addresses (new grads, ``set_to_none``) share the
+    table and need new offsets only, one small copy."""
 
     base: int
     table: torch.Tensor | None
+    offsets: torch.Tensor
     block: int
     iters: int
 
@@ -431,88 +451,109 @@ class Launch:
 def launch_of(
     tensors: Sequence[torch.Tensor], *, block: int = BLOCK, iters: int | None = None
 ) -> Launch:
-    """The launch over ``tensors`` (one device and dtype), its table kept on the device.
+    """The launch over ``tensors`` (one device and dtype), its table and offsets on the device.
 
-    The table is a function of their addresses and sizes only: built once per distinct (device,
-    dtype, addresses, sizes), vectorised on the host, pinned and copied without a host sync, and
-    kept on the device (:class:`_Tables`), so a step whose grads keep their storage sends nothing to
-    the device; a caller that keeps the launch itself (:mod:`pgregistry.grad_stats._local`'s kept
-    plans) skips even the lookup."""
+    Each is a function of the tensors' sizes (the table) or of their addresses and sizes (the
+    offsets) only: built once per distinct (device, dtype, sizes) and (device, dtype, addresses,
+    sizes), vectorised on the host, pinned and copied without a host sync, and kept on the device
+    (:class:`_Tables`), so a step whose grads keep their storage sends nothing to the device, and
+    one whose grads moved sends their offsets; a caller that keeps the launch itself
+    (:mod:`pgregistry.grad_stats._local`'s kept plans) skips even the lookup."""
     import torch
 
     addresses = array("q", list(map(torch.Tensor.data_ptr, tensors)))
     numels = array("q", list(map(torch.Tensor.numel, tensors)))
     device, dtype = tensors[0].device, tensors[0].dtype
     iters = iterations_for(dtype) if iters is None else iters
-    key = (device, dtype, block, iters, addresses.tobytes() + numels.tobytes())
-    launch = _TABLES.get(key)
-    if launch is None:
-        base, table = _base_and_program_table(addresses, numels, dtype, device, block * iters)
-        launch = _TABLES.put(key, Launch(base, table, block, iters))
-    return launch
+    sizes = numels.tobytes()
+    table_key = (device, block, iters, sizes)
+    table = _TABLES.get(table_key)
+    if table is None:
+        table = _TABLES.put(table_key, _program_table(numels, device, block * iters))
+    offsets_key = (device, dtype, addresses.tobytes() + sizes)
+    based = _OFFSETS.get(offsets_key)
+    if based is None:
+        based = _OFFSETS.put(offsets_key, _base_and_offsets(addresses, numels, dtype, device))
+    return Launch(based[0], table, based[1], block, iters)
 
 
-def _base_and_program_table(
-    addresses: array[int], numels: array[int], dtype: torch.dtype, device: torch.device, chunk: int
-) -> tuple[int, torch.Tensor | None]:
-    """The kernel's base tensor and the table of the programs reading tensors at ``addresses``.
+def _program_table(numels: array[int], device: torch.device, chunk: int) -> torch.Tensor | None:
+    """Each program's ``[tensor, first element in it, elements]`` over tensors of ``numels``.
 
-    The base is the index of the tensor at the lowest address; the tensors hold ``numels`` elements.
-    The table has ``[first element after the base, elements]`` per program, at most ``chunk``
-    elements each (``None``: no elements). Vectorised: no Python work per tensor or program."""
+    At most ``chunk`` elements a program; ``None`` where the tensors hold none. Vectorised: no
+    Python work per tensor or program."""
     import torch
 
-    start = torch.frombuffer(addresses, dtype=torch.int64)
     sizes = torch.frombuffer(numels, dtype=torch.int64)
-    present = sizes > 0  # an empty tensor may have no address: never the base, never read
-    base = int(torch.argmin(torch.where(present, start, torch.iinfo(torch.int64).max)))
-    offsets = start - start[base]
-    misaligned = torch.nonzero((offsets % dtype.itemsize != 0) & present).flatten()
-    if misaligned.numel():
-        index = int(misaligned[0])
-        raise ValueError(
-            f"tensor {index} starts {int(offsets[index])} bytes after "
-            f"tensor {base}, not a whole number of {dtype} elements: the "
-            "one-read kernel addresses every tensor from the lowest one"
-        )
     chunks = (sizes + chunk - 1) // chunk
     total = int(chunks.sum())
     if not total:
-        return base, None
+        return None
     # each program's tensor: tensor i repeated once per program of it, in one pass (a binary search
     # of each program among the tensors' ends made the table 1.1-1.6x slower at 40,000 programs)
     tensor = torch.repeat_interleave(torch.arange(len(sizes)), chunks, output_size=total)
     firsts = torch.cumsum(chunks, 0) - chunks  # each tensor's first program
     skipped = (torch.arange(total) - firsts[tensor]) * chunk  # its elements before this program's
-    first = offsets[tensor] // dtype.itemsize + skipped
     count = torch.clamp(sizes[tensor] - skipped, max=chunk)
-    host = torch.stack([first, count], dim=1)
-    if device.type == "cuda":  # pinned, so the copy waits for nothing queued on the stream
-        return base, host.pin_memory().to(device, non_blocking=True)
-    return base, host
+    return _on_device(torch.stack([tensor, skipped, count], dim=1), device)
+
+
+def _base_and_offsets(
+    addresses: array[int], numels: array[int], dtype: torch.dtype, device: torch.device
+) -> tuple[int, torch.Tensor]:
+    """The kernel's base tensor and each tensor's offset from it, in elements.
+
+    The base is the first tensor that holds elements; a tensor without elements may have no address
+    and gets offset 0 (no program reads it). ``ValueError`` for a tensor whose distance from the
+    base is no whole number of elements. Vectorised: no Python work per tensor."""
+    import torch
+
+    start = torch.frombuffer(addresses, dtype=torch.int64)
+    present = torch.frombuffer(numels, dtype=torch.int64) > 0
+    held = torch.nonzero(present).flatten()
+    base = int(held[0]) if held.numel() else 0
+    distance = torch.where(present, start - start[base], 0)
+    misaligned = torch.nonzero(distance % dtype.itemsize).flatten()
+    if misaligned.numel():
+        index = int(misaligned[0])
+        raise ValueError(
+            f"tensor {index} starts {int(distance[index])} bytes from tensor {base}, not a whole "
+            f"number of {dtype} elements: the one-read kernel addresses every tensor from one"
+        )
+    return base, _on_device(distance // dtype.itemsize, device)
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: on CUDA pinned first, so the copy waits for nothing queued."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
 
 
 class _Tables:
-    """The last few launch tables by (device, dtype, chunk, addresses and sizes), most recent last.
+    """The last few program tables (or offsets) by what they are computed from, most recent last.
 
-    A hit needs the same addresses and sizes, from which the table is computed, so it is never
-    stale; a few entries cover the lists of one step (dense and expert grads, float32 and bf16)."""
+    A hit needs the same key, from which the value is computed, so it is never stale; a few entries
+    cover the lists of one step (dense and expert grads, float32 and bf16)."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._tables: OrderedDict[Hashable, Launch] = OrderedDict()
+        self._tables: OrderedDict[Hashable, Any] = OrderedDict()
 
-    def get(self, key: Hashable) -> Launch | None:
-        plan = self._tables.get(key)
-        if plan is not None:
+    def get(self, key: Hashable) -> Any:
+        value = self._tables.get(key)
+        if value is not None:
             self._tables.move_to_end(key)
-        return plan
+        return value
 
-    def put(self, key: Hashable, plan: Launch) -> Launch:
-        self._tables[key] = plan
+    def put(self, key: Hashable, value: T) -> T:
+        self._tables[key] = value
         while len(self._tables) > self._size:
             self._tables.popitem(last=False)
-        return plan
+        return value
 
 
 _TABLES = _Tables(8)
+"""Program tables by (device, block, iters, sizes)."""
+_OFFSETS = _Tables(8)
+"""Bases and offsets by (device, dtype, addresses and sizes)."""

@@ -30,6 +30,7 @@ def squares_and_zeros_kernel(
     x_ptr,
     n,
     table_ptr,
+    offsets_ptr,
     pairs_ptr,
     TABLE: tl.constexpr,  # noqa: N803
     BLOCK: tl.constexpr,  # noqa: N803
@@ -39,13 +40,16 @@ def squares_and_zeros_kernel(
     """Program ``p`` writes the sum of squares and the zero count of the elements it reads.
 
     Without ``TABLE``, program ``p`` reads elements ``[p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS)``
-    of the contiguous tensor ``x_ptr`` of ``n`` elements. With ``TABLE``, it reads ``table[p, 1]``
-    elements (at most ``BLOCK * ITERS``) from element ``table[p, 0]`` after ``x_ptr`` (``table``:
-    int64, shape ``[programs, 2]``): any number of tensors of one dtype in one launch, each
-    addressed from ``x_ptr``. Program ``p`` writes ``pairs[p] = (sum of squares, zeros)`` (float64,
-    shape ``[programs, 2]``)."""
+    of the contiguous tensor ``x_ptr`` of ``n`` elements. With ``TABLE``, it reads part of tensor
+    ``t = table[p, 0]``: ``table[p, 2]`` elements (at most ``BLOCK * ITERS``) from its element
+    ``table[p, 1]``, tensor ``t`` starting ``offsets[t]`` elements after ``x_ptr`` (before it where
+    negative; ``table`` int64 ``[programs, 3]``, ``offsets`` int64 ``[tensors]``): any number of
+    tensors of one dtype in one launch, each addressed from ``x_ptr``. The table depends on the
+    tensors' sizes only, the offsets on their addresses, so tensors that moved need new offsets
+    only. Program ``p`` writes ``pairs[p] = (sum of squares, zeros)`` (float64, shape ``[programs,
+    2]``)."""
     pid = tl.program_id(0)
-    start, count = _program_extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
+    start, count = _program_extent(pid, n, table_ptr, offsets_ptr, TABLE, BLOCK, ITERS)
     if start % VEC == 0:
         first = x_ptr + (start // VEC) * VEC  # a multiple of VEC the compiler can see
         body = (count // VEC) * VEC
@@ -63,14 +67,16 @@ def squares_and_zeros_kernel(
 
 @triton.jit
 def _program_extent(
-    pid, n, table_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr
+    pid, n, table_ptr, offsets_ptr, TABLE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr
 ):  # noqa: N803
     """Program ``pid``'s first element (after ``x_ptr``) and element count.
 
-    Its row of the table, or its ``BLOCK * ITERS`` elements of one contiguous tensor of ``n``."""
+    Its row of the table and its tensor's offset, or its ``BLOCK * ITERS`` elements of one
+    contiguous tensor of ``n``."""
     if TABLE:
-        start = tl.load(table_ptr + 2 * pid)
-        count = tl.load(table_ptr + 2 * pid + 1)
+        row = table_ptr + 3 * pid.to(tl.int64)
+        start = tl.load(offsets_ptr + tl.load(row)) + tl.load(row + 1)
+        count = tl.load(row + 2)
     else:
         start = pid.to(tl.int64) * (BLOCK * ITERS)
         count = tl.minimum(n - start, BLOCK * ITERS)
@@ -102,6 +108,7 @@ def scale_kernel(
     x_ptr,
     n,
     table_ptr,
+    offsets_ptr,
     value_ptr,
     max_norm_bits,
     epsilon_bits,
@@ -125,7 +132,7 @@ def scale_kernel(
         value = _clip_coefficient(value, max_norm_bits, epsilon_bits)
     coeff = value.to(tl.float32).to(x_ptr.dtype.element_ty).to(tl.float32)
     if coeff < 1.0:
-        start, count = _program_extent(pid, n, table_ptr, TABLE, BLOCK, ITERS)
+        start, count = _program_extent(pid, n, table_ptr, offsets_ptr, TABLE, BLOCK, ITERS)
         if start % VEC == 0:
             first = x_ptr + (start // VEC) * VEC
             body = (count // VEC) * VEC

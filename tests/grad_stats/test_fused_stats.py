@@ -289,10 +289,13 @@ def _span_views(whole: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _table(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Tensors of several sizes; the first, the kernel's base, above two views of its buffer (addressed before it:
+    negative offsets)."""
     grads = _grads(dtype, [1, 3, 255, 256, 257, 1000, 2])
     whole = _grads(dtype, [600])[0]
+    grads.insert(0, whole[500:590])  # the base
     grads.append(whole[100:400])  # a view: read from its own address
-    grads.append(whole[401:598])  # a view off the 16-byte grid: read element by element
+    grads.append(whole[401:498])  # a view off the 16-byte grid: read element by element
     return grads
 
 
@@ -334,7 +337,7 @@ def test_the_default_programs_of_each_dtype_read_every_element_once(
     launch = fused_stats.launch_of(tensors)  # built on the host for host tensors: no kernel runs here
     per_program = fused_stats.BLOCK * {4: 8, 2: 32}[dtype.itemsize]
     assert launch.table is not None and launch.iters * fused_stats.BLOCK == per_program
-    assert launch.table[:, 1].tolist() == [per_program] * 3 + [5, 3]
+    assert launch.table[:, 2].tolist() == [per_program] * 3 + [5, 3]  # [tensor, first element, elements]
     _check(interpreted["defaults"][str(dtype)], tensors)
 
 

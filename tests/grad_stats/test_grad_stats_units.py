@@ -285,8 +285,8 @@ def test_audit_refuses_different_structures_on_every_rank() -> None:
 
 def test_a_kinds_launch_replanned_for_new_addresses_is_the_new_tensors_launch() -> None:
     """Tensors of the same sizes at new addresses keep a kind's route (kernel and rest) and host blocks; its launch
-    table is the one made for the new tensors (built on the host for host tensors: no kernel runs here), and a kind
-    the kernel does not read is kept as it is."""
+    has the offsets made for the new tensors and keeps its program table, which depends on the sizes only (built on
+    the host for host tensors: no kernel runs here); a kind the kernel does not read is kept as it is."""
     from pgregistry.grad_stats import _fused
     from pgregistry.grad_stats._local import KindPlan, plan_kind, replan_launch
 
@@ -303,7 +303,10 @@ def test_a_kinds_launch_replanned_for_new_addresses_is_the_new_tensors_launch() 
     assert replanned.launch is not None and expected.table is not None and plan.launch is not None
     assert (replanned.kernel, replanned.rest, replanned.blocks) == (plan.kernel, plan.rest, plan.blocks)
     assert replanned.launch.base == expected.base
-    assert torch.equal(replanned.launch.table, expected.table)
-    assert plan.launch.table is not None and not torch.equal(replanned.launch.table, plan.launch.table)
+    assert torch.equal(replanned.launch.offsets, expected.offsets)
+    assert replanned.launch.offsets.tolist() == [0, 70_000 + 1_000]  # the third tensor's new offset, in elements
+    assert plan.launch.offsets.tolist() == [0, 70_000]
+    # the program table depends on the sizes only: the same object, not made again
+    assert plan.launch.table is not None and replanned.launch.table is plan.launch.table
     host = plan_kind(new, new[0].device, new[0].dtype)
     assert replan_launch(host, tensors(2_000)) is host
