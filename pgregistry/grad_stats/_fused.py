@@ -12,11 +12,12 @@ ITERS`` squares at most, each element cast to float64 before it is squared, and 
 float64 pairs), summed here in float64 in one reduction: the count is exact, and no square or sum
 over- or underflows (the 2-norm is exact with no host read:
 :attr:`~pgregistry.grad_stats._reductions.Wanted.exact_in_one_reduction`). Separate tensors are read
-through a table of each program's first element and length, one launch per (device, dtype); the
-table depends only on the tensors' addresses and sizes, so it is built once (vectorised on the host,
-pinned, copied without a host sync) and kept on the device for as long as the grads keep their
-storage. The host work per call is then a few passes over the tensors at C speed (addresses, sizes),
-not Python work per tensor.
+through a table of each program's tensor, first element and length, and each tensor's offset from
+the kernel's base, one launch per (device, dtype); the table depends only on the tensors' sizes and
+the offsets on their addresses, so each is built once (vectorised on the host, pinned, copied
+without a host sync) and kept on the device, and grads that moved need new offsets only. The host
+work per call is then a few passes over the tensors at C speed (addresses, sizes), not Python work
+per tensor.
 
 Optional by design: triton (shipped with torch's CUDA wheels) is imported inside a function, and
 :func:`can_run_fused_stats` is False off CUDA or without it; callers then keep their torch path (the

@@ -171,9 +171,9 @@ def replan_launch(plan: KindPlan, tensors: Sequence[torch.Tensor]) -> KindPlan:
     """``plan`` for ``tensors`` that differ from those it was made for in their addresses only.
 
     Their element counts, contiguity, shapes, dtype and device are those ``plan`` was made for: of
-    what :func:`plan_kind` derives, only the kernel's launch table depends on addresses, so only it
-    is made again (the host blocks depend on shapes, torch's route on nothing). ``plan`` itself
-    where the kernel reads none of them."""
+    what :func:`plan_kind` derives, only the kernel's launch depends on addresses (its offsets; its
+    program table, kept by sizes, is found again), so only it is made again (the host blocks depend
+    on shapes, torch's route on nothing). ``plan`` itself where the kernel reads none of them."""
     if not plan.kernel:
         return plan
     read = tensors if not plan.rest else [tensors[index] for index in plan.kernel]
