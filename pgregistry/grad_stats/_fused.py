@@ -504,15 +504,18 @@ def _base_and_offsets(
 ) -> tuple[int, torch.Tensor]:
     """The kernel's base tensor and each tensor's offset from it, in elements.
 
-    The base is the first tensor that holds elements; a tensor without elements may have no address
-    and gets offset 0 (no program reads it). ``ValueError`` for a tensor whose distance from the
-    base is no whole number of elements. Vectorised: no Python work per tensor."""
+    The base is the first tensor that holds elements at a 16-byte aligned address, else the first
+    that holds elements: triton specializes a kernel on its pointer's alignment, and the kernels'
+    16-byte vector loads need an aligned base (a misaligned view first in the list would read every
+    tensor element by element). A tensor without elements may have no address and gets offset 0
+    (no program reads it). ``ValueError`` for a tensor whose distance from the base is no whole
+    number of elements. Vectorised: no Python work per tensor."""
     import torch
 
     start = torch.frombuffer(addresses, dtype=torch.int64)
     present = torch.frombuffer(numels, dtype=torch.int64) > 0
-    held = torch.nonzero(present).flatten()
-    base = int(held[0]) if held.numel() else 0
+    preference = present.to(torch.int8) * 2 + (present & (start % 16 == 0)).to(torch.int8)
+    base = int(torch.argmax(preference))  # the first of the most preferred
     distance = torch.where(present, start - start[base], 0)
     misaligned = torch.nonzero(distance % dtype.itemsize).flatten()
     if misaligned.numel():

@@ -310,3 +310,17 @@ def test_a_kinds_launch_replanned_for_new_addresses_is_the_new_tensors_launch() 
     assert plan.launch.table is not None and replanned.launch.table is plan.launch.table
     host = plan_kind(new, new[0].device, new[0].dtype)
     assert replan_launch(host, tensors(2_000)) is host
+
+
+def test_a_launch_addresses_its_tensors_from_an_aligned_one() -> None:
+    """The kernels' base is the first tensor at a 16-byte aligned address (triton specializes a kernel on its
+    pointer's alignment: a misaligned base would read every tensor element by element), the others at their
+    distance from it in elements, before it too; without an aligned tensor, the first that holds elements."""
+    from pgregistry.grad_stats import _fused
+
+    flat = torch.zeros(64)
+    assert flat.data_ptr() % 16 == 0
+    launch = _fused.launch_of([flat[:0], flat[1:5], flat[8:12], flat[4:7]])
+    assert launch.base == 2 and launch.offsets.tolist() == [0, -7, 0, -4]
+    misaligned = _fused.launch_of([flat[:0], flat[1:3], flat[5:6]])
+    assert misaligned.base == 1 and misaligned.offsets.tolist() == [0, 0, 4]
