@@ -18,7 +18,7 @@ bracketed on the stream, so a call's device work is inside its time), torch's ca
 
 Those rows call on the same grad objects again and again (a loop that zeroes its grads in place, or pgregistry's
 optimizers, whose grads are views of one buffer): pgregistry's kept plan then takes its fastest path (the grads it
-planned for, known by their ids and addresses). torch's ``optimizer.zero_grad()`` sets every grad to ``None``
+planned for, known by their identity and addresses). torch's ``optimizer.zero_grad()`` sets every grad to ``None``
 instead (``set_to_none=True``, its default), so each backward makes new grad objects: the rows named ``..., new
 grads each call`` time that path. Before each call, outside its timing (``benchmarks.common.measure``'s
 ``prepare``; on CUDA the stream synchronized after it), every parameter's grad is set to ``None`` (freed) and then
@@ -64,7 +64,7 @@ It also prints the memory the kept classification takes (Python objects, by ``tr
 per parameter.
 
 With ``--pieces``, it also prints where a steady-state call's host time goes: each piece of the kept plan's check
-(the door, the parameter set, the roles, the grads' reads, their ids and addresses) timed alone, then the whole of
+(the door, the parameter set, the roles, the grads' reads, their identity and addresses) timed alone, then the whole of
 that host path as a call runs it (door to the checked pieces, before any read of their values), interleaved with the
 host floor, in nanoseconds a parameter. Each piece must give a steady-state call's answer (the same plan, its
 planned grads taken as they are) before and after its timing, or the run stops: a piece that missed, or a plan made
@@ -473,8 +473,11 @@ def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
             lambda: plans._grads_of(params),
             lambda read: len(read) == len(grads) and all(map(operator.is_, read, grads)),
         ),
-        # the expression _Planned.pieces_of compares, the planned grads alive (no death noted)
-        "planned grads: ids": (lambda: list(map(id, grads)) == planned.ids, lambda same: same and not planned.deaths),
+        # what _Planned.pieces_of compares, the planned grads alive (no death noted); every grad a piece here
+        "planned grads: identity": (
+            lambda: planned._are_planned(grads, grads),
+            lambda same: same and not planned.deaths,
+        ),
         "planned grads: addresses": (lambda: planned._at_planned_addresses(grads), lambda same: same is True),
         WHOLE_PIECE: (whole, lambda same: same is True),
     }

@@ -194,14 +194,40 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_grad_stats_kept_plan.py::test_changed_grads_are_seen",),
     ),
     Mutant(
-        name="kept-plan-takes-a-dead-grads-id",
-        bug="the kept reads take a tensor made over a freed grad's memory (its id and address) for the planned grad",
+        name="kept-plan-takes-a-freed-grads-none",
+        bug="the kept reads take no note of a planned grad's death: a parameter whose grad was set to None (the "
+        "planned grad freed, its weak reference giving None too) is taken for the planned grad",
         file="pgregistry/grad_stats/_plan.py",
-        find="if self.deaths or list(map(id, grads)) != self.ids:",
-        replace="if list(map(id, grads)) != self.ids:",
+        find="        if self.deaths:\n            return None\n        pieces = take_plain(grads)\n",
+        replace="        pieces = take_plain(grads)\n",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
-            "test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad",
+            "test_a_parameter_whose_planned_grad_was_freed_and_set_to_none_is_not_read_as_planned",
+        ),
+    ),
+    Mutant(
+        name="kept-plan-takes-a-new-grad-at-its-address",
+        bug="the kept reads check the planned grads' addresses but not their identity: a new grad object of another "
+        "shape at the address of the planned grad it replaced, alive, is read by the plan of the old one",
+        file="pgregistry/grad_stats/_plan.py",
+        find="return all(map(operator.is_, pieces, map(operator.call, self.references))) and all(",
+        replace="return all(",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_new_grad_at_the_address_of_its_live_planned_grad_is_read_as_it_is",
+        ),
+    ),
+    Mutant(
+        name="kept-plan-skips-a-grad-where-there-was-none",
+        bug="the kept reads do not check that the parameters which had no grad still have none: a grad given to one "
+        "of them is left out of the statistics",
+        file="pgregistry/grad_stats/_plan.py",
+        find=" and all(\n            map(operator.is_, self.take_none(grads), repeat(None))\n        )",
+        replace="",
+        tests=(
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_parameter_that_had_no_grad_and_has_one_now_is_not_read_as_planned",
+            "tests/grad_stats/test_grad_stats_kept_plan.py::test_the_kept_reads_keep_no_grad_alive",
         ),
     ),
     Mutant(

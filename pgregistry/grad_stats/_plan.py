@@ -26,10 +26,10 @@ A call then checks, at C speed (``map`` over the tensors, no Python work per par
 grads' types, DTensor specs, addresses, sizes (and, where the kernel reads, contiguity) are those
 the plan was made for, and reads. Where the grads are plain tensors and the very objects the reads
 were planned for (a flat buffer's views, as pgregistry's optimizers set them, or grads zeroed in
-place), it checks their identity and addresses only (:class:`_Planned`): their ids, which are theirs
-while none of them died (each held by a weak reference whose callback notes its death: the plan
-keeps no grad alive), read from the list of grads without fetching a grad, and each grad's address.
-The same object has the same type, and at the same address the same storage; a grad resized or
+place), it checks their identity and addresses only (:class:`_Planned`): each grad is the object its
+weak reference gives while none of them died (each reference's callback notes its death: the plan
+keeps no grad alive), compared by identity (no int made a grad), and each grad's address. The same
+object has the same type, and at the same address the same storage; a grad resized or
 restrided in place at its address (``resize_``, ``as_strided_``) is the one change this does not
 see.
 
@@ -58,7 +58,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
@@ -208,49 +208,66 @@ class _Kind:
 
 @attrs.define(slots=True)
 class _Planned:
-    """The plain grads a layout's reads were planned for, known by their ids while they all live.
+    """The plain grads a layout's reads were planned for, known by identity while they all live.
 
-    A live object's id is its own, so equal ids are the same objects. Each is held by a weak
-    reference (a plan must not keep grads alive: a training loop that sets them to ``None`` frees
-    them) whose callback notes its death (``deaths``: a C-speed ``list.append``, nothing run per
-    grad on a call), and by its address."""
+    Each is held by a weak reference (a plan must not keep grads alive: a training loop that sets
+    them to ``None`` frees them) whose callback notes its death (``deaths``: a C-speed
+    ``list.append``, nothing run per grad on a call), and by its address. While no death is noted,
+    each reference gives its grad, which the grad read now is compared with by identity
+    (``operator.is_``: no int made a grad, as ``id`` makes, and no list of ids kept)."""
 
-    ids: list[int]
-    """``id`` of every parameter's grad, ``None`` too, in the plan's order."""
+    references: list[weakref.ref[torch.Tensor]]
+    """A weak reference to each piece (each parameter's grad but the ``None`` ones, in order)."""
+    take_none: Callable[[Sequence[Any]], list[Any]]
+    """Takes the grads of the parameters that had none, which must still have none."""
     addresses: list[int]
     """Each piece's address."""
-    references: list[weakref.ref[torch.Tensor]]
-    """A weak reference to each piece, held so that its callback runs when the piece dies."""
     deaths: list[weakref.ref[torch.Tensor]]
-    """The references whose grad died: while empty, every id in ``ids`` is a live grad's."""
+    """The references whose grad died: while empty, every reference gives its live grad."""
     positions: list[int]
     """Every piece's position, for :data:`_ADDRESSES_AT` (which takes a list); empty without it."""
 
     @classmethod
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
+        """The record of ``pieces``, the plain grads among ``grads`` (the others ``None``)."""
         deaths: list[weakref.ref[torch.Tensor]] = []
         references = list(map(weakref.ref, pieces, repeat(deaths.append)))
+        nones = list(compress(range(len(grads)), map(operator.is_, grads, repeat(None))))
         positions = list(range(len(pieces))) if _ADDRESSES_AT is not None else []
-        return cls(list(map(id, grads)), list(map(_ADDRESS, pieces)), references, deaths, positions)
+        addresses = list(map(_ADDRESS, pieces))
+        return cls(references, _make_picker(nones, len(grads)), addresses, deaths, positions)
 
     def pieces_of(
         self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]
     ) -> list[Any] | None:
         """The pieces of ``grads`` when they are the very grads planned for, else ``None``.
 
-        Every one alive, each parameter's grad, or ``None``, the same object by id, each still at
-        its address. The same object has the same type and, at the same address, the same storage (a
+        Every one alive, each parameter's grad, or ``None``, the same object, each still at its
+        address. The same object has the same type and, at the same address, the same storage (a
         grad re-pointed at other storage, ``grad.data = ...`` or ``set_``, moves); only an in-place
         change of a grad's sizes or strides at its address (``resize_``, ``as_strided_``) would pass
-        unseen. Reads no type, size or contiguity: the ids are read from the list (no object
-        fetched), the addresses from the grads' storages."""
-        if self.deaths or list(map(id, grads)) != self.ids:
+        unseen. Reads no type, size or contiguity: identity from the list and the references, the
+        addresses from the grads' storages. Deaths first: a dead grad's reference gives ``None``,
+        as the grad of a parameter whose grad was set to ``None`` is."""
+        if self.deaths:
             return None
         pieces = take_plain(grads)
+        if not self._are_planned(grads, pieces):
+            return None
         return pieces if self._at_planned_addresses(pieces) else None
 
+    def _are_planned(self, grads: list[Any], pieces: list[Any]) -> bool:
+        """Whether ``pieces`` are the planned grads and the other ``grads`` still ``None``.
+
+        Each piece the object its reference gives (asked only while no death is noted: a dead
+        grad's reference gives ``None``); the other grads are those of the parameters that had
+        none."""
+        return all(map(operator.is_, pieces, map(operator.call, self.references))) and all(
+            map(operator.is_, self.take_none(grads), repeat(None))
+        )
+
     def _at_planned_addresses(self, pieces: list[Any]) -> bool:
-        """Whether every piece (the planned grads, by id) is still at its address.
+        """Whether every piece (the planned grads, by identity) is still at its address.
 
         In one C++ loop where torch has it (:data:`_ADDRESSES_AT`), else as a list of addresses."""
         if _ADDRESSES_AT is not None:

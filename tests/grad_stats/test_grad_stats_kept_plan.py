@@ -331,11 +331,9 @@ def test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full(
     assert held
 
 
-def test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_grad() -> None:
-    """A grad object freed and another tensor made over its storage can take its id too (CPython reuses the memory,
-    often at once): same id, same address, perhaps other strides. The plan knows its grads by id only while all of
-    them live, so that tensor is not the planned grad. CPython's reuse is not certain in a test, so the new tensor's
-    id and address are written into the plan's record instead, as if it had taken the freed grad's."""
+def test_a_tensor_made_over_a_dead_grads_memory_is_not_the_planned_grad() -> None:
+    """A grad object freed and another tensor made over its storage is at its address (and CPython may give it the
+    freed object's id and memory too): that tensor is not the planned grad."""
     from pgregistry.grad_stats._plan import _Planned
 
     grads = [_fill(torch.zeros(4, 3), 26), _fill(torch.zeros(5), 27)]
@@ -344,8 +342,53 @@ def test_a_dead_grads_id_taken_by_a_tensor_at_its_address_is_not_the_planned_gra
     storage = grads[0].untyped_storage()
     del grads[0]  # freed: its weak reference's callback notes it
     other = torch.empty(0).set_(storage, 0, (4, 3), (1, 4))  # its memory, other strides
-    planned.ids[0], planned.addresses[0] = id(other), other.data_ptr()
-    assert planned.pieces_of([other, grads[0]], list) is None, "a dead grad's id taken for the planned grad"
+    assert planned.pieces_of([other, grads[0]], list) is None, "a tensor over a dead grad's memory taken for it"
+
+
+def test_a_parameter_whose_planned_grad_was_freed_and_set_to_none_is_not_read_as_planned() -> None:
+    """A planned grad freed when its parameter's grad is set to None: its weak reference then gives None too, so
+    the identity alone would take the None for the planned grad; the death noted is what refuses it."""
+    from pgregistry.grad_stats._plan import _Planned
+
+    first, second = _fill(torch.zeros(4, 3), 28), _fill(torch.zeros(5), 29)
+    planned = _Planned.of([first, second], [first, second])
+    freed = weakref.ref(first)
+    del first  # the first parameter's grad set to None: freed
+    assert freed() is None
+    assert planned.pieces_of([None, second], list) is None, "a parameter without its freed grad read as planned"
+
+
+def test_a_parameter_that_had_no_grad_and_has_one_now_is_not_read_as_planned() -> None:
+    """The plan records the parameters that had no grad: one that has a grad now is not skipped as planned."""
+    from pgregistry.grad_stats._plan import _make_picker, _Planned
+
+    grads: list[torch.Tensor | None] = [_fill(torch.zeros(4, 3), 30), None]
+    take_plain = _make_picker([0], 2)
+    planned = _Planned.of(grads, take_plain(grads))
+    assert planned.pieces_of(list(grads), take_plain) == grads[:1], "the planned grads themselves"
+    grads[1] = _fill(torch.zeros(5), 31)
+    assert planned.pieces_of(grads, take_plain) is None, "a new grad where there was none skipped"
+
+
+def test_a_new_grad_at_the_address_of_its_live_planned_grad_is_read_as_it_is() -> None:
+    """A new grad object at the address of the planned grad it replaces, which stays alive (no death noted): a view
+    of the same buffer with another shape. Only the identity check tells it from the planned grad (on the CPU, the
+    plan's host block would concatenate it with the other bias as the 1-dim tensor it was)."""
+    from pgregistry.grad_stats._plan import _KEPT
+
+    model = _model()
+    buffer = _fill(torch.zeros(4), 40)
+    bias = model.a.bias
+    bias.grad = buffer[:3]
+    _check(model, _grads(model), "first call")
+    _check(model, _grads(model), "the planned grads")
+    layout = _KEPT[model].plan._layout
+    assert layout is not None and layout.planned_for is not None, "the grads planned for are recorded"
+    planned_grad = bias.grad
+    bias.data = torch.zeros(2, 2)
+    bias.grad = buffer.view(2, 2)
+    assert bias.grad.data_ptr() == planned_grad.data_ptr()
+    _check(model, _grads(model), "a new grad at its live planned grad's address, another shape")
 
 
 def test_a_list_of_tensors_is_checked_by_identity() -> None:
