@@ -253,14 +253,17 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="address-only-replan-skips-the-dtype-check",
-        bug="new grads that differ from the ones the kinds were planned for in their addresses and dtypes (the same "
-        "element counts) keep the kinds: a grad made float64 is read as float32",
+        bug="new grads that differ from the ones the kinds were planned for in their dtypes (the same element "
+        "counts), at new addresses or at the planned ones, keep the kinds: a grad made float64 is read as float32, "
+        "a bf16 grad at a float32 grad's address read at float32 offsets",
         file="pgregistry/grad_stats/_plan.py",
-        find='    operator.attrgetter("dtype"),\n',
-        replace="",
+        find="        _DTYPE,  # a grad of another dtype",
+        replace="        # _DTYPE,  # a grad of another dtype",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[dtype]",
+            "tests/grad_stats/test_fused_stats.py::"
+            "test_a_grad_of_another_dtype_at_the_planned_address_is_read_in_its_dtype",
         ),
     ),
     Mutant(
@@ -268,8 +271,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="new grads that differ from the ones the kinds were planned for in their addresses and shapes (the same "
         "element counts) keep the host blocks, which concatenate small grads by trailing shape",
         file="pgregistry/grad_stats/_plan.py",
-        find='    operator.attrgetter("shape"),\n',
-        replace="",
+        find='_KIND_READS: Final = (operator.attrgetter("device"), operator.attrgetter("shape"))',
+        replace='_KIND_READS: Final = (operator.attrgetter("device"),)',
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[shape]",

@@ -12,9 +12,9 @@ on one collection's groups:
   reductions after), again only when the grads' types or DTensor specs change;
 * by the pieces' (device, dtype), sizes, addresses and contiguity
   (:func:`~pgregistry.grad_stats._local.plan_kind`), again only when those change; where only the
-  addresses changed (new grads each step, ``zero_grad(set_to_none=True)``) and one pass finds every
-  piece's dtype, device and shape those the kinds were planned for, the kinds and their host blocks
-  are kept and only the one-read kernel's launch tables, which hold addresses, are made again
+  addresses changed (new grads each step, ``zero_grad(set_to_none=True)``) and every piece that
+  moved has the device and shape the kinds were planned for, the kinds and their host blocks are
+  kept and only the one-read kernel's launch offsets, which hold addresses, are made again
   (:meth:`Plan._replan_launches`).
 
 The grads a rank holds but does not count (duplicates, ``shared`` copies) are read too, into seen
@@ -58,7 +58,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, compress, count, repeat
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
@@ -120,13 +120,13 @@ _LOCAL: Final = operator.attrgetter("_local_tensor")
 _SPEC: Final = operator.attrgetter("_spec")
 _MODULES: Final = operator.attrgetter("_modules")
 _PARAMETERS: Final = operator.attrgetter("_parameters")
-_KIND_READS: Final = (
-    operator.attrgetter("dtype"),
-    operator.attrgetter("device"),
-    operator.attrgetter("shape"),
-)
-"""What a piece's kind and host blocks depend on beyond its address, size and contiguity: its dtype
-and device (its kind), its shape (the host concatenates small tensors by trailing shape)."""
+_DTYPE: Final = operator.attrgetter("dtype")
+_KIND_READS: Final = (operator.attrgetter("device"), operator.attrgetter("shape"))
+"""What a piece's kind and host blocks depend on beyond its piece facts (address, size, dtype and
+contiguity: :func:`_piece_facts`): its device (with the dtype, its kind) and its shape (the host
+concatenates small tensors by trailing shape). A piece at its planned address is on its planned
+device (one address space: CUDA's unified addressing), so only a piece that moved is read for them
+(:meth:`Plan._replan_launches`)."""
 _ADDRESS: Final = torch._C.TensorBase.data_ptr
 _ADDRESSES_AT: Final[Callable[[list[Any], list[int], list[int]], bool] | None] = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None
@@ -297,7 +297,8 @@ class _Layout:
     fields: dict[GroupName, ProcessGroup | None]
     reads_by_kernel: bool = False
     facts: list[int] | None = None
-    """Each piece's address, size and (where the kernel reads) contiguity: what reads depend on."""
+    """Each piece's address, size, dtype and (where the kernel reads) contiguity: what reads depend
+    on (:func:`_piece_facts`)."""
     planned_for: _Planned | None = None
     """The grad objects the reads were planned for (plain grads only), by which a call whose grads
     are those same objects at the same addresses skips reading their types, sizes and contiguity
@@ -311,8 +312,8 @@ class _Layout:
     call); grads replaced once are planned for again at once."""
     kind_facts: list[Any] | None = None
     """Each piece's :data:`_KIND_READS` when the kinds were planned: where only the pieces'
-    addresses changed and these are the same, the kinds hold and only their launches are made again
-    (:meth:`Plan._replan_launches`)."""
+    addresses changed and these are the same for the pieces that moved, the kinds hold and only
+    their launches are made again (:meth:`Plan._replan_launches`)."""
     kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     watched_kinds: list[tuple[Any, list[_Kind]]] = attrs.field(factory=list)
     every: list[_Kind] = attrs.field(factory=list)
@@ -535,21 +536,28 @@ class Plan:
     def _replan_launches(layout: _Layout, pieces: list[torch.Tensor], facts: list[int]) -> bool:
         """Plan anew only what depends on the pieces' addresses, where nothing else changed.
 
-        Where ``facts`` (read as the layout's are) differ from the layout's in addresses only and
-        every piece's dtype, device and shape are those the kinds were planned for (one pass,
-        :func:`_facts_of`), each kind keeps its pieces, its route and its host blocks, and only its
-        launch table is made again (:func:`~pgregistry.grad_stats._local.replan_launch`): no
-        grouping by device and dtype, no host blocks (Python work per tensor). Else ``False``, and
-        nothing changed: the kinds must be planned in full."""
-        held = layout.facts
-        step = 3 if layout.reads_by_kernel else 2
+        Where ``facts`` (read as the layout's are) differ from the layout's in addresses only (the
+        same element counts, dtypes and contiguity) and every piece that moved has the device and
+        shape the kinds were planned for (read for those pieces only: :data:`_KIND_READS`), each
+        kind keeps its pieces, its route and its host blocks, and only its launch's offsets are
+        made again (:func:`~pgregistry.grad_stats._local.replan_launch`): no grouping by device and
+        dtype, no host blocks (Python work per tensor). Else ``False``, and nothing changed: the
+        kinds must be planned in full."""
+        held, kind_held = layout.facts, layout.kind_facts
+        step = 4 if layout.reads_by_kernel else 3
         if (
             held is None
-            or layout.kind_facts is None
+            or kind_held is None
             or len(facts) != len(held)
             or any(facts[start::step] != held[start::step] for start in range(1, step))
-            or _facts_of(pieces, _KIND_READS) != layout.kind_facts
         ):
+            return False
+        moved = list(compress(count(), map(operator.ne, facts[::step], held[::step])))
+        width = len(_KIND_READS)
+        planned_for_moved = [
+            kind_held[width * index + read] for index in moved for read in range(width)
+        ]
+        if _facts_of([pieces[index] for index in moved], _KIND_READS) != planned_for_moved:
             return False
         replanned: dict[int, _Kind] = {}  # by the old kind: every piece's kinds may be a target's
 
@@ -618,16 +626,17 @@ def _grads_of(params: Sequence[torch.Tensor]) -> list[Any]:
 
 
 def _piece_facts(pieces: list[torch.Tensor], contiguity: bool) -> list[int]:
-    """Each piece's address, element count and (with ``contiguity``) contiguity, in one flat list.
+    """Each piece's address, element count, dtype and (with ``contiguity``) contiguity, in one list.
 
     One piece after another: the reads go piece by piece (a ``zip`` of ``map`` calls, C speed), so
     each tensor's metadata comes from memory once, not once per pass (at 20,000 grads, separate
     passes were bound by those fetches), and the flat list allocates nothing the garbage collector
     tracks (a tuple a piece set off a few dozen collections a call). ``RuntimeError`` for a piece
     without storage (a sparse grad)."""
-    reads = [
+    reads: list[Callable[[Any], Any]] = [
         torch.Tensor.data_ptr,
         torch.Tensor.numel,
+        _DTYPE,  # a grad of another dtype at a planned address is read in its own (and its offsets)
         *([torch.Tensor.is_contiguous] if contiguity else []),
     ]
     return _facts_of(pieces, reads)

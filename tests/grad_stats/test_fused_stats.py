@@ -185,11 +185,30 @@ def _in_interpreter() -> dict[str, Any]:
         "other norms": (other_norms, other_launches),
         "uncounted": (uncounted, uncounted_launches),
         "finished": finished_side_by_side(torch.device("cpu")),
+        "another dtype at the address": _another_dtype_at_the_planned_address(),
         "finished through a model": _finished_through_a_model(),
     }
 
 
 OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+
+def _another_dtype_at_the_planned_address() -> tuple[float, float]:
+    """A model's norm on float32 grads, then on bf16 grads of the same element counts at the same addresses (its
+    parameters made bf16, their grads set anew over the old grads' memory), all read by the kernel: the weight's
+    grad 3s, the bias's 5s."""
+    weight, bias = 64 * 64, 64
+    memory = torch.full((2 * (weight + bias),), 3.0, dtype=torch.bfloat16)  # read as float32: 3.0039, not 3
+    memory[2 * weight :] = 5.0
+    model = nn.Linear(64, 64)
+    wide = memory.view(torch.float32)
+    model.weight.grad, model.bias.grad = wide[:weight].view(64, 64), wide[weight:]
+    first = float(grad_norm(model, OFF))
+    for param in model.parameters():
+        param.grad = None
+        param.data = param.data.to(torch.bfloat16)
+    model.weight.grad, model.bias.grad = memory[:weight].view(64, 64), memory[2 * weight : 2 * weight + bias]
+    return first, float(grad_norm(model, OFF))
+
 
 def _finished_through_a_model() -> dict[str, list[int | None]]:
     """The public calls on a model (its grads read by the kernel), their results finished by the kernel and by
@@ -517,3 +536,14 @@ def test_a_model_finished_by_the_kernel_gives_the_samebits(interpreted: dict[str
     through = interpreted["finished through a model"]
     assert through["by kernel True"] == through["by kernel False"]
     assert through["launches"] == [True, True, True]
+
+
+def test_a_grad_of_another_dtype_at_the_planned_address_is_read_in_its_dtype(interpreted: dict[str, Any]) -> None:
+    """A new grad object of the same element count and contiguity at the address the kernel's reads were planned for,
+    but of another dtype (its parameter converted, the grad set anew over the old grad's memory): read as bf16, not
+    as the float32 the reads were planned for (before: the bias was read at its float32 offset in bf16 elements,
+    192)."""
+    first, second = interpreted["another dtype at the address"]
+    as_float32 = [float(torch.full((2,), value, dtype=torch.bfloat16).view(torch.float32)) for value in (3.0, 5.0)]
+    assert first == pytest.approx(math.sqrt(64 * 64 * as_float32[0] ** 2 + 64 * as_float32[1] ** 2), rel=1e-6)
+    assert second == pytest.approx(math.sqrt(64 * 64 * 9.0 + 64 * 25.0), rel=1e-6)

@@ -225,7 +225,7 @@ def test_grads_planned_for_before_a_new_plan_are_not_taken_by_it() -> None:
         assert layout is not None and layout.facts is not None
         planned = layout.planned_for
         if planned is not None:
-            assert planned.addresses == layout.facts[0::2], f"{what}: names grads its reads were not planned for"
+            assert planned.addresses == layout.facts[0::3], f"{what}: names grads its reads were not planned for"
 
     model = _model()
     call("first call")
