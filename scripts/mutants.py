@@ -258,7 +258,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a bf16 grad at a float32 grad's address read at float32 offsets",
         file="pgregistry/grad_stats/_plan.py",
         find="        _DTYPE,  # a grad of another dtype",
-        replace="        # _DTYPE,  # a grad of another dtype",
+        replace="        torch.Tensor.numel,  # a grad of another dtype",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[dtype]",
