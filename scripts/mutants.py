@@ -1986,6 +1986,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_not_read_as_zeros",),
     ),
+    Mutant(
+        name="grad-assigned-by-hand-to-a-bf16-parameter-left-out",
+        bug="a .grad assigned by hand to a bf16 parameter of a mixed-precision optimizer, which its grad hook never "
+        "sees, left out of the norm and the step: a norm of 0.0 for 1.41, nothing stepped",
+        file="pgregistry/optim/_base.py",
+        find="            if param.grad is not None:  # the hook takes every grad backward accumulates",
+        replace="            if False:",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_a_grad_assigned_by_hand_to_a_bf16_parameter_is_refused_not_left_out",),
+    ),
 )
 
 

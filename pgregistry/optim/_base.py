@@ -30,7 +30,9 @@ post-accumulate hook that adds each new ``.grad`` into it and frees it. ``param.
 in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`: ``model.zero_grad()`` sets ``.grad``
 to ``None`` and detaches it from the buffer, which :meth:`FlatOptimizer.sync_grads` detects and
 refuses (every parameter looked at), and the statistics and the step too (the first parameter of
-each kind: a loop without ``sync_grads`` read a norm of 0 and stepped nothing).
+each kind: a loop without ``sync_grads`` read a norm of 0 and stepped nothing). A ``.grad`` assigned
+by hand to a low-precision parameter never reaches the hook, so it is refused alike (it was left
+out of the norm and the step).
 """
 
 from __future__ import annotations
@@ -258,6 +260,7 @@ class FlatOptimizer(OptimizerStatistics):
         self._reduce_keys: tuple[GroupKey, ...] = ()
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._moved: list[tuple[torch.Tensor, int]] = []
+        self._hooked: list[torch.Tensor] = []
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._taken_over: str | None = None
 
@@ -294,6 +297,7 @@ class FlatOptimizer(OptimizerStatistics):
             self._hooks[id(param)] = param.register_post_accumulate_grad_hook(
                 _accumulate_into(view)
             )
+            self._hooked.append(param)
 
     def _give_up_grad_home(self, param: torch.Tensor) -> None:
         """A later optimizer took ``param``'s grad: drop this one's hook on it, and refuse use.
@@ -331,8 +335,10 @@ class FlatOptimizer(OptimizerStatistics):
     def _check_attached(self, *, first_only: bool = False) -> None:
         """Refuse grads detached from the grad buffer.
 
-        Also parameters whose data left this optimizer's buffers, or whose grads a later optimizer
-        took. ``first_only``: look at the first parameter of each kind alone, a constant cost for
+        Also a ``.grad`` assigned by hand to a parameter whose grad a hook takes (a low-precision
+        one of a mixed-precision optimizer: the hook never sees it, and the buffer would read
+        without it), parameters whose data left this optimizer's buffers, or whose grads a later
+        optimizer took. ``first_only``: look at the first parameter of each kind alone, a constant cost for
         the statistics and the step (``model.zero_grad()`` and ``module.to()`` detach every
         parameter, the first too); :meth:`sync_grads` looks at every one.
         """
@@ -345,6 +351,17 @@ class FlatOptimizer(OptimizerStatistics):
                     f"{self.param_name(param)}.grad is no longer a view of the "
                     "optimizer's grad buffer (set to None by model.zero_grad() "
                     "or assigned?); zero grads with optimizer.zero_grad()"
+                )
+        hooked = self._hooked[:1] if first_only else self._hooked
+        for param in hooked:
+            if param.grad is not None:  # the hook takes every grad backward accumulates
+                raise RuntimeError(
+                    f"{self.param_name(param)}.grad is set, but this optimizer takes a "
+                    f"{param.dtype} parameter's grad into its float32 buffer when backward "
+                    "accumulates it (a hook), which a .grad assigned by hand never reaches: it "
+                    "would be left out of the norm and the step. Add it to "
+                    f"{self.param_name(param)}.main_grad (its view of the buffer) instead, or "
+                    "compute it with backward()"
                 )
         for param, address in moved:
             if param.data_ptr() != address:

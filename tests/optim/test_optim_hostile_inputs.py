@@ -499,3 +499,32 @@ def test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_n
     optimizer.step()
     for param, oracle in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(param.detach().double(), oracle.detach() - 0.5 * oracle.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_a_grad_assigned_by_hand_to_a_bf16_parameter_is_refused_not_left_out(kind: type) -> None:
+    """A bf16 parameter's grad reaches the float32 buffer through a hook on backward's accumulation; a ``.grad``
+    assigned by hand (grads from ``torch.autograd.grad``, or loaded) never reached it: the norm read 0.0 for
+    the grads' 1.41 and the step moved nothing, without a word."""
+    model = _linear(torch.bfloat16)
+    optimizer = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [torch.full_like(p, 0.5) for p in model.parameters()]  # 8 elements of 0.5: a norm of sqrt(2)
+    for param, grad in zip(model.parameters(), grads, strict=True):
+        param.grad = grad.clone()
+    assigned = r"^param\[0\]\.grad is set, but this optimizer takes a torch.bfloat16 parameter's grad .*\.main_grad"
+    for use in ("get_grad_norm", "count_zeros", "sync_grads", "step"):
+        with pytest.raises(RuntimeError, match=assigned):
+            getattr(optimizer, use)()
+    with pytest.raises(RuntimeError, match=assigned):
+        optimizer.clip_grad_norm(1.0)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    # Added to main_grad as the message says: the float64 oracle's norm, and SGD's step by hand.
+    for param, grad in zip(model.parameters(), grads, strict=True):
+        param.grad = None
+        param.main_grad.add_(grad)  # type: ignore[attr-defined]
+    expected = torch.cat([grad.double().flatten() for grad in grads]).norm()
+    assert float(optimizer.get_grad_norm()) == pytest.approx(float(expected), rel=1e-6)
+    optimizer.step()
+    for param, start, grad in zip(model.parameters(), before, grads, strict=True):
+        assert torch.equal(param.detach(), (start.double() - 0.5 * grad.double()).to(torch.bfloat16))
