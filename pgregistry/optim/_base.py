@@ -338,9 +338,10 @@ class FlatOptimizer(OptimizerStatistics):
         Also a ``.grad`` assigned by hand to a parameter whose grad a hook takes (a low-precision
         one of a mixed-precision optimizer: the hook never sees it, and the buffer would read
         without it), parameters whose data left this optimizer's buffers, or whose grads a later
-        optimizer took. ``first_only``: look at the first parameter of each kind alone, a constant cost for
-        the statistics and the step (``model.zero_grad()`` and ``module.to()`` detach every
-        parameter, the first too); :meth:`sync_grads` looks at every one.
+        optimizer took. ``first_only``: look at the first parameter of each kind alone, a constant
+        cost for the statistics and the step (``model.zero_grad()`` and ``module.to()`` detach
+        every parameter, the first too; grads assigned by hand are assigned to every one, the
+        first too); :meth:`sync_grads` looks at every one.
         """
         self._check_not_taken_over()
         direct = self._direct[:1] if first_only else self._direct
