@@ -1996,6 +1996,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_a_grad_assigned_by_hand_to_a_bf16_parameter_is_refused_not_left_out",),
     ),
+    Mutant(
+        name="experts-stacked-in-one-tensor-saved-as-one-ranks",
+        bug="experts stacked in one parameter (no expert index in the name) checkpointed at EP 2: EP rank 0's "
+        "experts kept under the one name, loaded into EP rank 1 too, its own lost",
+        file="pgregistry/checkpoint/_by_name.py",
+        find='_refuse_experts_named_alike_on_every_ep_rank(params, group_size(collection.get("ep")), owner)',
+        replace="_refuse_experts_named_alike_on_every_ep_rank(params, 1, owner)",
+        tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
+               "test_experts_stacked_in_one_tensor_are_refused_at_ep_above_one_not_saved_as_one_ranks",),
+    ),
 )
 
 

@@ -203,6 +203,7 @@ def rank_model(
         layer_offsets=naming.get("layer_offsets"),
     )
     params: dict[str, nn.Parameter] = dict(global_names(namer))  # one name each, or it raised
+    _refuse_experts_named_alike_on_every_ep_rank(params, group_size(collection.get("ep")), owner)
     tp, expt_tp = collection.get("tp"), collection.get("expt_tp")
     sharded = {}
     for name, param in params.items():
@@ -228,6 +229,32 @@ def rank_model(
         sharded,
         resolved_scope,
     )
+
+
+def _refuse_experts_named_alike_on_every_ep_rank(
+    params: Mapping[str, nn.Parameter], ep_size: int, owner: str
+) -> None:
+    """``ValueError`` for an expert parameter whose global name holds no expert index, at EP > 1.
+
+    Such a parameter (experts stacked in one tensor, as torchtitan's ``GroupedExperts`` holds them)
+    is named alike on every EP rank while each holds other experts: the checkpoint kept EP rank 0's
+    under the name, and a load gave them to every EP rank, the others' experts lost without a word.
+    """
+    if ep_size == 1:
+        return
+    unindexed = [
+        name for name, param in params.items() if is_expert_param(param) and not is_expert_key(name)
+    ]
+    if unindexed:
+        raise ValueError(
+            f"{owner}: {len(unindexed)} routed-expert parameter(s) have no expert index in their "
+            f"name, e.g. {unindexed[0]!r} (experts stacked in one tensor?): at EP size {ep_size} "
+            "every EP rank holds other experts under that one name, so the checkpoint would keep "
+            "one EP rank's experts and load them into every rank. pgregistry.checkpoint stores "
+            "experts by global index: give each expert its parameters under "
+            "'local_experts.<i>.' (or a grouped GEMM's 'weight<i>'), or checkpoint stacked "
+            "experts with torch.distributed.checkpoint over DTensors sharded on the EP mesh dim"
+        )
 
 
 def agree_on_rank_model(

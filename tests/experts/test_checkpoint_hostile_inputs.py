@@ -23,7 +23,9 @@ from pgregistry.checkpoint import (
     save_distributed,
     save_optimizer_shards,
     save_rank_files,
+    state_by_name,
 )
+from pgregistry.params import mark_expert
 from pgregistry.testing import run_world
 
 SAVE = {"dcp": save_distributed, "files": save_rank_files}
@@ -97,3 +99,73 @@ def test_a_directory_or_strict_of_the_wrong_type_is_named() -> None:
             load("ckpt", nn.Linear(2, 2), strict=None)  # type: ignore[arg-type]  # read as False before
     with pytest.raises(TypeError, match="load_optimizer_shards: strict must be True or False, got 0"):
         load_optimizer_shards("ckpt", None, strict=0)  # type: ignore[arg-type]
+
+
+class _MoE(nn.Module):
+    """A dense layer and this EP rank's 2 of 4 experts, expert ``g`` all ``g + 1``: stacked in one tensor (as
+    torchtitan's ``GroupedExperts`` holds them), or one parameter per expert under ``local_experts.<i>``."""
+
+    def __init__(self, ep_rank: int, *, stacked: bool) -> None:
+        super().__init__()
+        self.dense = nn.Linear(2, 2)
+        values = [torch.full((3,), 2.0 * ep_rank + local + 1) for local in range(2)]
+        self.experts = nn.Module()
+        if stacked:
+            self.experts.w1 = mark_expert(nn.Parameter(torch.stack(values)))
+        else:
+            self.experts.local_experts = nn.ModuleList(nn.Module() for _ in values)
+            for expert, value in zip(self.experts.local_experts, values, strict=True):
+                expert.w1 = mark_expert(nn.Parameter(value.clone()))
+
+    def experts_held(self) -> list[list[float]]:
+        return [param.tolist() for name, param in self.named_parameters() if name.startswith("experts.")]
+
+
+def _experts_named_alike_on_every_ep_rank(directory: str) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    collection = build(ParallelLayout(num_ranks=2, ep=2))
+
+    def model(*, stacked: bool, blank: bool = False) -> _MoE:
+        built = _MoE(rank, stacked=stacked)
+        if blank:
+            filled(built, 0.0)
+        attach(built, collection)
+        return built
+
+    out: dict[str, Any] = {}
+    for fmt in SAVE:
+        stacked = model(stacked=True)
+        out[f"save {fmt}"] = _error_of(lambda fmt=fmt, m=stacked: SAVE[fmt](f"{directory}/{fmt}", m, num_experts=4))
+        out[f"nothing written {fmt}"] = not Path(f"{directory}/{fmt}").exists() or not any(
+            Path(f"{directory}/{fmt}").iterdir()
+        )
+        # The experts one parameter each: every EP rank's own come back.
+        SAVE[fmt](f"{directory}/{fmt}-indexed", model(stacked=False), num_experts=4)
+        loaded = model(stacked=False, blank=True)
+        LOAD[fmt](f"{directory}/{fmt}-indexed", loaded, num_experts=4)
+        out[f"loaded {fmt}"] = loaded.experts_held()
+        out[f"load {fmt}"] = _error_of(
+            lambda fmt=fmt: LOAD[fmt](f"{directory}/{fmt}-indexed", model(stacked=True), num_experts=4)
+        )
+    out["state_by_name"] = _error_of(lambda: state_by_name(model(stacked=True), num_experts=4))
+    return out
+
+
+def test_experts_stacked_in_one_tensor_are_refused_at_ep_above_one_not_saved_as_one_ranks(tmp_path: Path) -> None:
+    """Experts stacked in one parameter have no expert index in their name, so at EP 2 both EP ranks held other
+    experts under one global name: the checkpoint kept EP rank 0's (1.0 and 2.0) and a load gave them to EP rank 1
+    too, whose 3.0 and 4.0 were lost, without a word (rank files and DCP alike)."""
+    outs = run_world(2, _experts_named_alike_on_every_ep_rank, str(tmp_path), timeout=60.0)
+    for rank, out in enumerate(outs):
+        oracle = [[2.0 * rank + local + 1] * 3 for local in range(2)]  # the experts this EP rank was built with
+        for fmt in SAVE:
+            save = "save_rank_files" if fmt == "files" else "save_distributed"
+            assert out[f"save {fmt}"].startswith(
+                f"ValueError: {save}: 1 routed-expert parameter(s) have no expert index in their name, e.g. "
+                "'experts.w1' (experts stacked in one tensor?): at EP size 2 every EP rank holds other experts"
+            ), (rank, out)
+            assert "under 'local_experts.<i>.'" in out[f"save {fmt}"]
+            assert out[f"nothing written {fmt}"], (rank, fmt)
+            assert out[f"loaded {fmt}"] == oracle, (rank, fmt, out[f"loaded {fmt}"])
+            assert "have no expert index in their name" in out[f"load {fmt}"], (rank, out)
+        assert "state_by_name: 1 routed-expert parameter(s)" in out["state_by_name"], (rank, out)
