@@ -115,7 +115,9 @@ def parse_json(text: str, name: str, what: str) -> Any:
     """``text`` as JSON; :class:`AllowlistError` naming the file, line and column when malformed.
 
     ``what`` names the format (``allowlist JSON``; ``JSON`` for Megatron-LM's list). A key twice in
-    one object (a merge that kept both sides) is refused, naming it, not read as its last value."""
+    one object (a merge that kept both sides) is refused, naming it, not read as its last value.
+    So is JSON Python's reader cannot hold (arrays nested past the recursion limit, an integer of
+    more than 4,300 digits), which escaped as a traceback, exit 1: "the check failed"."""
     try:
         return json.loads(text, object_pairs_hook=_object_of_distinct_keys)
     except json.JSONDecodeError as error:
@@ -127,6 +129,12 @@ def parse_json(text: str, name: str, what: str) -> Any:
             f"{name}: malformed {what}: {error.args[0]!r} is a key twice in one object (a merge "
             "that kept both sides?): merge the two into one, or regenerate the file"
         ) from None
+    except RecursionError:
+        raise AllowlistError(
+            f"{name}: malformed {what}: nested too deeply to read; regenerate the file"
+        ) from None
+    except ValueError as error:  # an integer past int's string-conversion limit
+        raise AllowlistError(f"{name}: malformed {what}: {error}; regenerate the file") from None
 
 
 @dataclass(frozen=True)
