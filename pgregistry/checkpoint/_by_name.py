@@ -28,7 +28,13 @@ from torch import nn
 
 from pgregistry._runtime.resolve import normalise_model, normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
-from pgregistry.checkpoint._agreement import Scope, run_agreed_step, scope_of
+from pgregistry.checkpoint._agreement import (
+    Scope,
+    digest_of,
+    max_over_ranks,
+    run_agreed_step,
+    scope_of,
+)
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key
 from pgregistry.experts._names import GlobalNamer, NamingOptions, check_naming_options, global_names
@@ -111,6 +117,9 @@ class RankModel:
     writes_experts: bool
     sharded: dict[str, TensorParallelShard] = attrs.field(factory=dict)
     scope: Scope = attrs.field(factory=lambda: Scope(0, 1))
+    tp_groups: tuple[Any, ...] = ()
+    """The TP and expert-TP groups of more than one rank, in that order: those the pieces of
+    :attr:`sharded` are joined over."""
 
     def writes(self, name: str) -> bool:
         return self.writes_experts if is_expert_key(name) else self.writes_dense
@@ -228,7 +237,34 @@ def rank_model(
         group_rank(collection.get("expt_dp")) == 0 and group_rank(expt_tp) == 0,
         sharded,
         resolved_scope,
+        tuple(group for group in dict.fromkeys((tp, expt_tp)) if group_size(group) > 1),
     )
+
+
+def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
+    """``ValueError`` on every rank of a TP group holding TP-sharded pieces of other shapes.
+
+    A piece's whole is the all-gather of equal pieces: pieces of 3 and 2 elements (a size the TP
+    size does not divide, cut by ``chunk``) made gloo abort the process (SIGABRT) in the gather.
+    Collective over each of :attr:`RankModel.tp_groups`, which every rank has alike (one all-reduce
+    of two integers each); the ranks holding no sharded piece take part too."""
+    for group in model.tp_groups:
+        pieces = [
+            f"{name!r} {tuple(model.params[name].shape)}"
+            for name, shard in model.sharded.items()
+            if shard.group is group
+        ]
+        digest = digest_of(pieces)
+        tp_group = Scope(group_rank(group), group_size(group), group)
+        largest, negated_smallest = max_over_ranks([digest, -digest], tp_group)
+        if largest != -negated_smallest:
+            raise ValueError(
+                f"{owner}: the ranks {dist.get_process_group_ranks(group)} of a TP group hold "
+                "TP-sharded pieces of other shapes (or other TP-sharded parameters); this rank's: "
+                f"{', '.join(pieces) or 'none'}. pgregistry.checkpoint joins equal pieces: give "
+                "each TP-sharded parameter a size the TP size divides (pad it, as Megatron-Core "
+                "pads its vocabulary), and mark only parameters sharded on every TP rank"
+            )
 
 
 def _refuse_experts_named_alike_on_every_ep_rank(
@@ -263,12 +299,15 @@ def agree_on_rank_model(
     """:func:`rank_model` in a collective save or load over ``scope``, raising on all if on any.
 
     A rank whose model cannot be named must not leave the others waiting in the save's or load's
-    collectives."""
-    return run_agreed_step(
-        lambda: rank_model(model_chunks, owner, scope, **naming),
-        ValueError(f"{owner}: another rank's model cannot be checkpointed"),
-        scope,
+    collectives; nor may TP pieces of other shapes reach the gathers
+    (:func:`refuse_unequal_pieces`)."""
+    elsewhere = ValueError(f"{owner}: another rank's model cannot be checkpointed")
+    model = run_agreed_step(
+        lambda: rank_model(model_chunks, owner, scope, **naming), elsewhere, scope
     )
+    if model.tp_groups:  # alike on every rank: the layout's sizes
+        run_agreed_step(lambda: refuse_unequal_pieces(model, owner), elsewhere, scope)
+    return model
 
 
 def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
@@ -387,6 +426,7 @@ def state_by_name(
         state["model"]["decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"]
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
+    refuse_unequal_pieces(model, "state_by_name")  # before the gathers
     return _nest_flat_keys(flat_state(model, optimizer, primary_only=primary_only))
 
 

@@ -25,7 +25,7 @@ from pgregistry.checkpoint import (
     save_rank_files,
     state_by_name,
 )
-from pgregistry.params import mark_expert
+from pgregistry.params import mark_expert, mark_tensor_parallel
 from pgregistry.testing import run_world
 
 SAVE = {"dcp": save_distributed, "files": save_rank_files}
@@ -169,3 +169,53 @@ def test_experts_stacked_in_one_tensor_are_refused_at_ep_above_one_not_saved_as_
             assert out[f"loaded {fmt}"] == oracle, (rank, fmt, out[f"loaded {fmt}"])
             assert "have no expert index in their name" in out[f"load {fmt}"], (rank, out)
         assert "state_by_name: 1 routed-expert parameter(s)" in out["state_by_name"], (rank, out)
+
+
+def _pieces_of_other_shapes(directory: str) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    collection = build(ParallelLayout(num_ranks=2, tp=2))
+    whole = torch.arange(5.0)  # 5 elements over TP 2: chunk cuts 3 and 2
+
+    def model(pieces: list[torch.Tensor], *, blank: bool = False) -> nn.Module:
+        built = nn.Module()
+        built.w = mark_tensor_parallel(nn.Parameter(pieces[rank].clone()), 0)
+        if blank:
+            filled(built, 0.0)
+        attach(built, collection)
+        return built
+
+    unequal, equal = list(whole.chunk(2)), list(torch.arange(6.0).chunk(2))
+    out: dict[str, Any] = {}
+    for fmt in SAVE:
+        out[f"save {fmt}"] = _error_of(lambda fmt=fmt: SAVE[fmt](f"{directory}/{fmt}", model(unequal)))
+        out[f"nothing written {fmt}"] = not Path(f"{directory}/{fmt}").exists() or not any(
+            Path(f"{directory}/{fmt}").iterdir()
+        )
+        SAVE[fmt](f"{directory}/{fmt}-equal", model(equal))  # 3 and 3: joined, and cut again on load
+        loaded = model(equal, blank=True)
+        LOAD[fmt](f"{directory}/{fmt}-equal", loaded)
+        out[f"loaded {fmt}"] = loaded.w.tolist()
+        out[f"load {fmt}"] = _error_of(lambda fmt=fmt: LOAD[fmt](f"{directory}/{fmt}-equal", model(unequal)))
+    out["state_by_name"] = _error_of(lambda: state_by_name(model(unequal)))
+    return out
+
+
+def test_tp_pieces_of_other_shapes_are_refused_on_every_rank_not_an_abort(tmp_path: Path) -> None:
+    """A TP-sharded parameter whose size TP does not divide (5 elements cut 3 and 2) reached the all-gather that
+    joins its pieces: gloo aborted the rank's process (SIGABRT, ``Received data size doesn't match expected
+    size``) in every save and in ``state_by_name``; the load cut a whole of another size."""
+    outs = run_world(2, _pieces_of_other_shapes, str(tmp_path), timeout=60.0)
+    for rank, out in enumerate(outs):
+        own = "'w' (3,)" if rank == 0 else "'w' (2,)"
+        for fmt in SAVE:
+            save = "save_rank_files" if fmt == "files" else "save_distributed"
+            assert out[f"save {fmt}"] == (
+                f"ValueError: {save}: the ranks [0, 1] of a TP group hold TP-sharded pieces of other shapes (or "
+                f"other TP-sharded parameters); this rank's: {own}. pgregistry.checkpoint joins equal pieces: give "
+                "each TP-sharded parameter a size the TP size divides (pad it, as Megatron-Core pads its "
+                "vocabulary), and mark only parameters sharded on every TP rank"
+            ), (rank, out)
+            assert out[f"nothing written {fmt}"], (rank, fmt)
+            assert out[f"loaded {fmt}"] == torch.arange(6.0).chunk(2)[rank].tolist(), (rank, out)  # the oracle
+            assert "hold TP-sharded pieces of other shapes" in out[f"load {fmt}"], (rank, out)
+        assert out["state_by_name"].startswith("ValueError: state_by_name: the ranks [0, 1] of a TP group"), out
