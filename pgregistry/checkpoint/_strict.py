@@ -141,7 +141,32 @@ def _describe_missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
     if not missing:
         return ""
     shown = first_few_quoted(missing, _SHOWN)
-    return f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}"
+    return (
+        f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}"
+        f"{_wrapper_hint(missing, stored)}"
+    )
+
+
+def _wrapper_hint(missing: list[str], stored: Mapping[str, Stored]) -> str:
+    """Where the checkpoint holds a missing parameter under one segment more or less, say so.
+
+    A model saved through a wrapper (DDP's ``module.``) and loaded bare, or the other way round,
+    lacks every parameter by name: the message named none of the stored keys."""
+    stored_names = [key[len(MODEL_PREFIX) :] for key in stored if key.startswith(MODEL_PREFIX)]
+    for name in missing[:_SHOWN]:
+        for held in stored_names:
+            if _one_segment_apart(held, name) or _one_segment_apart(name, held):
+                return (
+                    f" (it holds {held!r}: saved through a wrapper, such as DDP's module., and "
+                    "loaded without it, or the other way round? Save and load the same module)"
+                )
+    return ""
+
+
+def _one_segment_apart(longer: str, shorter: str) -> bool:
+    """Whether ``longer`` is ``shorter`` under one more leading segment (``module.weight``)."""
+    prefix, dot, rest = longer.partition(".")
+    return bool(dot) and rest == shorter and bool(prefix)
 
 
 def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:

@@ -219,3 +219,34 @@ def test_tp_pieces_of_other_shapes_are_refused_on_every_rank_not_an_abort(tmp_pa
             assert out[f"loaded {fmt}"] == torch.arange(6.0).chunk(2)[rank].tolist(), (rank, out)  # the oracle
             assert "hold TP-sharded pieces of other shapes" in out[f"load {fmt}"], (rank, out)
         assert out["state_by_name"].startswith("ValueError: state_by_name: the ranks [0, 1] of a TP group"), out
+
+
+class _Wrapper(nn.Module):
+    """What DDP does to names: the model under ``module.``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+
+def _saved_through_a_wrapper(directory: str) -> dict[str, str]:
+    out = {}
+    for fmt in SAVE:
+        SAVE[fmt](f"{directory}/{fmt}-wrapped", _Wrapper(_model(1.0)))
+        out[f"bare {fmt}"] = _error_of(lambda fmt=fmt: LOAD[fmt](f"{directory}/{fmt}-wrapped", _model(0.0)))
+        SAVE[fmt](f"{directory}/{fmt}-bare", _model(1.0))
+        out[f"wrapped {fmt}"] = _error_of(lambda fmt=fmt: LOAD[fmt](f"{directory}/{fmt}-bare", _Wrapper(_model(0.0))))
+    return out
+
+
+def test_a_checkpoint_saved_through_a_wrapper_names_what_it_holds(tmp_path: Path) -> None:
+    """Saved through a wrapper (DDP's ``module.``) and loaded into the bare model, or the other way round: the
+    load said the checkpoint lacks ``'0.bias', '0.weight'``, naming none of the keys it holds."""
+    for rank, out in enumerate(run_world(2, _saved_through_a_wrapper, str(tmp_path), timeout=60.0)):
+        for fmt in SAVE:
+            for load, held in (("bare", "module.0.weight"), ("wrapped", "0.weight")):
+                assert out[f"{load} {fmt}"].startswith("ValueError: the checkpoint lacks 2 of this rank's"), out
+                assert out[f"{load} {fmt}"].endswith(
+                    f" (it holds {held!r}: saved through a wrapper, such as DDP's module., and loaded without it, "
+                    "or the other way round? Save and load the same module)"
+                ), (rank, fmt, load, out)
