@@ -2016,6 +2016,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
                "test_tp_pieces_of_other_shapes_are_refused_on_every_rank_not_an_abort",),
     ),
+    Mutant(
+        name="fully-shard-dtensors-checkpointed-as-one-ranks-shard",
+        bug="fully_shard's DTensor parameters checkpointed as they are: data-parallel rank 0's shard stored as the "
+        "parameter, and the same sharded model loaded other than saved, without a word",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    _refuse_dtensors(params, owner)\n",
+        replace="",
+        tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
+               "test_dtensor_parameters_of_fully_shard_are_refused_not_stored_as_one_ranks_shard",),
+    ),
 )
 
 

@@ -38,6 +38,7 @@ from pgregistry.checkpoint._agreement import (
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key
 from pgregistry.experts._names import GlobalNamer, NamingOptions, check_naming_options, global_names
+from pgregistry.grad_stats._dtensors import is_dtensor
 from pgregistry.optim._param_state import (
     ParamState,
     ParamStateOptimizer,
@@ -213,6 +214,7 @@ def rank_model(
     )
     params: dict[str, nn.Parameter] = dict(global_names(namer))  # one name each, or it raised
     _refuse_experts_named_alike_on_every_ep_rank(params, group_size(collection.get("ep")), owner)
+    _refuse_dtensors(params, owner)
     tp, expt_tp = collection.get("tp"), collection.get("expt_tp")
     sharded = {}
     for name, param in params.items():
@@ -265,6 +267,24 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
                 "each TP-sharded parameter a size the TP size divides (pad it, as Megatron-Core "
                 "pads its vocabulary), and mark only parameters sharded on every TP rank"
             )
+
+
+def _refuse_dtensors(params: Mapping[str, nn.Parameter], owner: str) -> None:
+    """``ValueError`` for parameters that are DTensors (``fully_shard``, ``distribute_tensor``).
+
+    Each rank's DTensor holds its local shard alone: a save stored data-parallel rank 0's shard as
+    the parameter, a load gave it to every rank (its own shard lost), and DCP's planner failed in
+    torch's words."""
+    sharded = [name for name, param in params.items() if is_dtensor(param)]
+    if sharded:
+        raise ValueError(
+            f"{owner}: {len(sharded)} parameter(s) are DTensors, e.g. {sharded[0]!r} (sharded by "
+            "fully_shard or distribute_tensor): each rank holds its own shard of them, which "
+            "pgregistry.checkpoint, storing each parameter whole from one rank, would mix up. "
+            "Checkpoint such a model with torch.distributed.checkpoint "
+            "(torch.distributed.checkpoint.state_dict.get_model_state_dict), or save it before "
+            "fully_shard"
+        )
 
 
 def _refuse_experts_named_alike_on_every_ep_rank(
