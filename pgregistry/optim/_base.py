@@ -49,6 +49,7 @@ from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry._runtime.overlapping_tensors import first_overlap
 from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
+from pgregistry.grad_stats._dtensors import is_dtensor
 from pgregistry.grad_stats._functional import verdict_groups
 from pgregistry.grad_stats._lists import check_finite, scale_grads_
 from pgregistry.grad_stats._reductions import (
@@ -215,6 +216,12 @@ class FlatOptimizer(OptimizerStatistics):
         for param in self.params:
             if not isinstance(param, torch.Tensor) or not param.is_floating_point():
                 raise TypeError(f"{self.param_name(param)} is not a floating-point tensor")
+            if is_dtensor(param):  # its storage is no memory a flat buffer can take
+                raise TypeError(
+                    f"{self.param_name(param)} is a DTensor (sharded by fully_shard or "
+                    "distribute_tensor): this optimizer keeps plain tensors in flat buffers. Step "
+                    "such a model with a torch optimizer (torch.optim.AdamW(model.parameters()))"
+                )
             if not param.requires_grad:
                 # torch's optimizers skip a parameter whose .grad is None; a flat step updates
                 # every element of its buffer, so weight decay or momentum would move it.

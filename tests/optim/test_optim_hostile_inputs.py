@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -528,3 +529,41 @@ def test_a_grad_assigned_by_hand_to_a_bf16_parameter_is_refused_not_left_out(kin
     optimizer.step()
     for param, start, grad in zip(model.parameters(), before, grads, strict=True):
         assert torch.equal(param.detach(), (start.double() - 0.5 * grad.double()).to(torch.bfloat16))
+
+
+def _optimizers_of_a_fully_sharded_model() -> dict[str, str]:
+    from torch.distributed.fsdp import fully_shard
+
+    from pgregistry.mesh import to_device_mesh
+
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    model = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(model, mesh=to_device_mesh(collection, ("dp_cp",), "cpu"))
+    groups = setup_process_groups_for_optimizer(collection)
+    out = {}
+    for sharded in (False, True):
+        try:
+            build_optimizer(model, collection, optimizer="sgd", lr=0.1, sharded=sharded)
+        except (TypeError, ValueError) as error:
+            out[f"build_optimizer sharded={sharded}"] = f"{type(error).__name__}: {error}"
+    for kind in (MixedPrecisionOptimizer, ShardedOptimizer):
+        try:
+            kind(list(model.parameters()), groups, inner=inner_factory("sgd", lr=0.1))
+        except (TypeError, ValueError) as error:
+            out[kind.__name__] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def test_dtensor_parameters_of_fully_shard_are_refused_naming_them() -> None:
+    """``fully_shard``'s parameters are DTensors, whose storage no flat buffer can take: every optimizer failed in
+    torch's ``Attempted to access the data pointer on an invalid python storage``, naming no parameter."""
+    for rank, out in enumerate(run_world(2, _optimizers_of_a_fully_sharded_model, timeout=60.0)):
+        assert len(out) == 4, (rank, out)
+        for call, error in out.items():
+            name = "0.weight" if call.startswith("build_optimizer") else r"param\[0\]"
+            assert re.fullmatch(
+                rf"TypeError: {name} is a DTensor \(sharded by fully_shard or distribute_tensor\): this optimizer "
+                r"keeps plain tensors in flat buffers\. Step such a model with a torch optimizer "
+                r"\(torch\.optim\.AdamW\(model\.parameters\(\)\)\)",
+                error,
+            ), (rank, call, error)
