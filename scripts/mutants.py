@@ -2026,6 +2026,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
                "test_dtensor_parameters_of_fully_shard_are_refused_not_stored_as_one_ranks_shard",),
     ),
+    Mutant(
+        name="registration-hook-reads-through-getattr",
+        bug="the module-registration hook reads the expert mark with getattr: torch.compile's OptimizedModule, "
+        "half-built, raises KeyError: '_orig_mod', and no model compiles once pgregistry is imported",
+        file="pgregistry/params.py",
+        find="    return vars(module).get(_INSIDE_EXPERT_MODULE, False) is True",
+        replace="    return getattr(module, _INSIDE_EXPERT_MODULE, False) is True",
+        tests=("tests/grad_stats/test_compiled_modules.py::"
+               "test_a_compiled_model_builds_keeps_its_roles_and_gives_the_oracles_norm",),
+    ),
 )
 
 
