@@ -2036,6 +2036,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_compiled_modules.py::"
                "test_a_compiled_model_builds_keeps_its_roles_and_gives_the_oracles_norm",),
     ),
+    Mutant(
+        name="commit-over-one-optimizer-instance",
+        bug="commit all-reduces over intra_dist_opt alone, one instance of a partial distributed optimizer: with a "
+        "rank of the other instance failed, this instance passes it and steps alone",
+        file="pgregistry/recovery.py",
+        find="    for group in [intra, *inter] if group_size(intra) < span else [intra]:",
+        replace="    for group in [intra]:",
+        tests=("tests/recovery/test_recovery_checks.py::"
+               "test_commit_spans_every_optimizer_instance_so_no_rank_steps_alone",),
+    ),
 )
 
 
