@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,6 +263,7 @@ class Allowlist:
         for path, keys in allowed.items():
             if not path or path.startswith("/") or "\\" in path:
                 raise AllowlistError(f"{name}: {path!r} is not a project-relative POSIX path")
+            _refuse_unnormalised(path, name)
             if not isinstance(keys, dict):
                 raise AllowlistError(
                     f"{name}: entries of {path!r} must be an object of key -> count"
@@ -285,6 +287,22 @@ class Allowlist:
                 "(was it edited by hand? regenerate it with `pgregistry allowlist update`)"
             )
         return result
+
+
+def _refuse_unnormalised(path: str, name: str) -> None:
+    """``AllowlistError`` for a path written otherwise than the scan writes it.
+
+    ``./src/a.py``, ``src//a.py`` or ``src/x/../a.py`` (an entry merged by hand) named no scanned
+    file: ``check src`` did not judge it and called the read it allows new (exit 1), a check of
+    the whole tree called it moved, and ``update src`` kept it beside the entry it wrote."""
+    normal = posixpath.normpath(path)
+    if normal == ".." or normal.startswith("../"):
+        raise AllowlistError(f"{name}: {path!r} lies outside the project")
+    if normal != path:
+        raise AllowlistError(
+            f"{name}: {path!r} is not written as the scan writes paths: write {normal!r} (or "
+            "regenerate the file with `pgregistry allowlist update`)"
+        )
 
 
 def _sites_by_key(results: Iterable[FileResult]) -> dict[str, dict[str, list[Site]]]:

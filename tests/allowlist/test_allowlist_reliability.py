@@ -483,3 +483,27 @@ def test_json_pythons_reader_cannot_hold_is_named_exit_2_and_a_cache_of_it_passe
     cache.write_text(nested)
     assert run(capsys, "update")[0] == 0  # every file parsed, as without a cache
     assert "src/pkg/b.py" in listed.read("allowlist.json")
+
+
+def test_a_path_written_otherwise_than_the_scan_writes_it_is_refused_naming_the_spelling(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``./src/pkg/a.py`` (an entry merged by hand) named no scanned file: ``check src`` left it unjudged and called
+    the read it allows new (exit 1), a check of the whole tree passed calling it moved, and ``update src/pkg/b.py``
+    kept it. Each spelling is refused, exit 2, naming the one to write; nothing is written."""
+    path = listed.root / "allowlist.json"
+    good = path.read_text()
+    spellings = {
+        "./src/pkg/a.py": "write 'src/pkg/a.py'",
+        "src//pkg/a.py": "write 'src/pkg/a.py'",
+        "src/pkg/../pkg/a.py": "write 'src/pkg/a.py'",
+        "src/pkg/a.py/": "write 'src/pkg/a.py'",
+        "../src/pkg/a.py": "lies outside the project",
+    }
+    for spelling, why in spellings.items():
+        path.write_text(good.replace('"src/pkg/a.py"', json.dumps(spelling)))
+        before = path.read_bytes()
+        for action in (["check", "src"], ["check"], ["update", "src/pkg/b.py"]):
+            code, _, err = run(capsys, *action, "--no-cache")
+            assert code == 2 and f"allowlist.json: {spelling!r}" in err and why in err, (spelling, action, err)
+            assert path.read_bytes() == before
