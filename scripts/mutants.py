@@ -814,8 +814,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="step-applied-without-commit",
         bug="commit() runs no collective: a rank whose peers failed mid-step applies the step alone",
         file="pgregistry/recovery.py",
-        find="    if group_size(group) > 1:\n        dist.all_reduce(",
-        replace="    if False:\n        dist.all_reduce(",
+        find="        if group_size(group) > 1:\n            dist.all_reduce(",
+        replace="        if False:\n            dist.all_reduce(",
         tests=(
             "tests/recovery/test_recover_gloo.py::"
             "test_a_rank_killed_before_the_grad_sync_lets_no_survivor_step_alone",
