@@ -2,7 +2,8 @@
 
 A model knows its own grid, so entry points given the model need no ``pg_collection`` argument (and
 one given anyway must agree with it). The collection is found through ``.module`` wrappers (DDP,
-mixed-precision wrappers) and must be the same on every chunk of a pipelined model.
+mixed-precision wrappers) and ``torch.compile``'s, and must be the same on every chunk of a
+pipelined model.
 """
 
 from __future__ import annotations
@@ -117,13 +118,20 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
 
 
 def wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
-    """``module``, then what it wraps via ``.module`` attributes (DDP, mixed-precision wrappers)."""
+    """``module``, then what it wraps, each in turn.
+
+    Through ``torch.compile``'s ``_orig_mod``, then ``.module`` attributes (DDP, mixed-precision
+    wrappers). A compiled model's ``OptimizedModule`` answers ``.module`` from inside the model it
+    compiled, so the chain stopped at it: a model attached and then compiled fell back to the global
+    grid ("nor a model with one attached"), a TP model's norm summed over another grid.
+    """
     seen: set[int] = set()
     current: object = module
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         yield current  # type: ignore[misc]  # a module, or what a wrapper's .module holds
-        current = getattr(current, "module", None)
+        compiled = getattr(current, "__dict__", {}).get("_modules", {}).get("_orig_mod")
+        current = compiled if compiled is not None else getattr(current, "module", None)
 
 
 def _as_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

@@ -9,6 +9,7 @@ from inside torch: no model could be compiled in a program that imported pgregis
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,9 @@ from torch import nn
 
 import pgregistry.params  # the registration hooks, as every program importing pgregistry and torch has them
 from pgregistry import ParallelLayout, attach, build
+from pgregistry.global_grid import initialize_global_grid
 from pgregistry.grad_stats import grad_norm
-from pgregistry.params import mark_expert, mark_expert_module
+from pgregistry.params import mark_expert, mark_expert_module, mark_tensor_parallel
 from pgregistry.testing import run_world
 
 
@@ -65,3 +67,31 @@ def test_a_compiled_model_builds_keeps_its_roles_and_gives_the_oracles_norm() ->
     for rank, (norm, marked) in enumerate(run_world(2, _norm_of_a_compiled_model, timeout=60.0)):
         assert marked, rank
         assert math.isclose(norm, oracle, rel_tol=1e-6), (rank, norm, oracle)
+
+
+def _norms_of_a_model_attached_then_compiled() -> tuple[float, float, list[str]]:
+    initialize_global_grid(ParallelLayout(num_ranks=2))  # the job's global grid: data parallel
+    collection = build(ParallelLayout(num_ranks=2, tp=2), name="model")
+    model = nn.Linear(2, 2, bias=False)
+    mark_tensor_parallel(model.weight, 0)  # this rank's 2 rows of a (4, 2) weight
+    attach(model, collection)
+    model(torch.ones(1, 2)).sum().backward()
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norms = float(grad_norm(model)), float(grad_norm(compiled))
+    return (*norms, [str(warning.message) for warning in caught])
+
+
+def test_a_model_attached_then_compiled_runs_on_its_collection_not_the_global_grid() -> None:
+    """The collection is found along a wrapper chain of ``.module`` attributes; ``OptimizedModule`` answers
+    ``.module`` from inside the model it compiled, so the chain stopped at it: a TP model attached and then compiled
+    fell back to the global (data-parallel) grid, warning "nor a model with one attached", and its norm was this
+    rank's shard's alone, 2.0 for the 2.83 of the whole weight."""
+    whole = nn.Linear(2, 4, bias=False).double()  # the unsharded layer, by plain torch in float64
+    whole(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+    oracle = float(whole.weight.grad.norm())
+    for rank, (attached, compiled, caught) in enumerate(run_world(2, _norms_of_a_model_attached_then_compiled)):
+        assert math.isclose(attached, oracle, rel_tol=1e-6), (rank, attached, oracle)
+        assert math.isclose(compiled, oracle, rel_tol=1e-6), (rank, compiled, oracle)
+        assert caught == [], (rank, caught)
