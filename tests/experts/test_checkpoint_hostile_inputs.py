@@ -229,6 +229,12 @@ class _Wrapper(nn.Module):
         self.module = model
 
 
+def _compiled_inside(model: nn.Module) -> nn.Module:
+    """What torch.compile of a layer (torchtitan compiles each block) does to names: ``0._orig_mod.weight``."""
+    model[0] = torch.compile(model[0], backend="eager")
+    return model
+
+
 def _saved_through_a_wrapper(directory: str) -> dict[str, str]:
     out = {}
     for fmt in SAVE:
@@ -236,19 +242,24 @@ def _saved_through_a_wrapper(directory: str) -> dict[str, str]:
         out[f"bare {fmt}"] = _error_of(lambda fmt=fmt: LOAD[fmt](f"{directory}/{fmt}-wrapped", _model(0.0)))
         SAVE[fmt](f"{directory}/{fmt}-bare", _model(1.0))
         out[f"wrapped {fmt}"] = _error_of(lambda fmt=fmt: LOAD[fmt](f"{directory}/{fmt}-bare", _Wrapper(_model(0.0))))
+        out[f"compiled {fmt}"] = _error_of(
+            lambda fmt=fmt: LOAD[fmt](f"{directory}/{fmt}-bare", _compiled_inside(_model(0.0)))
+        )
     return out
 
 
 def test_a_checkpoint_saved_through_a_wrapper_names_what_it_holds(tmp_path: Path) -> None:
-    """Saved through a wrapper (DDP's ``module.``) and loaded into the bare model, or the other way round: the
-    load said the checkpoint lacks ``'0.bias', '0.weight'``, naming none of the keys it holds."""
+    """Saved through a wrapper (DDP's ``module.``) and loaded into the bare model, or into a model whose layer is
+    compiled (``0._orig_mod.weight``): the load said the checkpoint lacks ``'0.bias', '0.weight'`` (or
+    ``'0._orig_mod.bias', ...``), naming none of the keys it holds."""
     for rank, out in enumerate(run_world(2, _saved_through_a_wrapper, str(tmp_path), timeout=60.0)):
         for fmt in SAVE:
-            for load, held in (("bare", "module.0.weight"), ("wrapped", "0.weight")):
+            for load, held in (("bare", "module.0.weight"), ("wrapped", "0.weight"), ("compiled", "0.weight")):
                 assert out[f"{load} {fmt}"].startswith("ValueError: the checkpoint lacks 2 of this rank's"), out
                 assert out[f"{load} {fmt}"].endswith(
-                    f" (it holds {held!r}: saved through a wrapper, such as DDP's module., and loaded without it, "
-                    "or the other way round? Save and load the same module)"
+                    f" (it holds {held!r}: saved through a wrapper (DDP's module., torch.compile's _orig_mod., "
+                    "activation checkpointing's _checkpoint_wrapped_module.) and loaded without it, or the other way "
+                    "round? Save and load the model wrapped alike)"
                 ), (rank, fmt, load, out)
 
 
