@@ -2048,11 +2048,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="attachment-lost-by-torch-compile",
-        bug="the wrapper chain stops at torch.compile's OptimizedModule: a TP model attached and then compiled "
-        "falls back to the global grid, its norm this rank's shard's alone (2.0 for 2.83)",
+        bug="the wrapper chain stops at torch.compile's OptimizedModule (or checkpoint_wrapper): a TP model attached "
+        "and then compiled falls back to the global grid, its norm this rank's shard's alone (2.0 for 2.83)",
         file="pgregistry/attachments.py",
-        find='        compiled = getattr(current, "__dict__", {}).get("_modules", {}).get("_orig_mod")',
-        replace="        compiled = None",
+        find="        wrapped = next((children[slot] for slot in _WRAPPED_SLOTS if slot in children), None)",
+        replace="        wrapped = None",
         tests=("tests/grad_stats/test_compiled_modules.py::"
                "test_a_model_attached_then_compiled_runs_on_its_collection_not_the_global_grid",),
     ),

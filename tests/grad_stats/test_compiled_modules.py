@@ -69,7 +69,9 @@ def test_a_compiled_model_builds_keeps_its_roles_and_gives_the_oracles_norm() ->
         assert math.isclose(norm, oracle, rel_tol=1e-6), (rank, norm, oracle)
 
 
-def _norms_of_a_model_attached_then_compiled() -> tuple[float, float, list[str]]:
+def _norms_of_a_model_attached_then_compiled() -> tuple[float, float, float, list[str]]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     initialize_global_grid(ParallelLayout(num_ranks=2))  # the job's global grid: data parallel
     collection = build(ParallelLayout(num_ranks=2, tp=2), name="model")
     model = nn.Linear(2, 2, bias=False)
@@ -79,19 +81,19 @@ def _norms_of_a_model_attached_then_compiled() -> tuple[float, float, list[str]]
     compiled = torch.compile(model, backend="eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        norms = float(grad_norm(model)), float(grad_norm(compiled))
+        norms = float(grad_norm(model)), float(grad_norm(compiled)), float(grad_norm(checkpoint_wrapper(model)))
     return (*norms, [str(warning.message) for warning in caught])
 
 
 def test_a_model_attached_then_compiled_runs_on_its_collection_not_the_global_grid() -> None:
-    """The collection is found along a wrapper chain of ``.module`` attributes; ``OptimizedModule`` answers
-    ``.module`` from inside the model it compiled, so the chain stopped at it: a TP model attached and then compiled
-    fell back to the global (data-parallel) grid, warning "nor a model with one attached", and its norm was this
-    rank's shard's alone, 2.0 for the 2.83 of the whole weight."""
+    """The collection is found along a wrapper chain of ``.module`` attributes; ``OptimizedModule`` (and
+    activation checkpointing's ``checkpoint_wrapper``) answers ``.module`` from inside the model it wraps, so the
+    chain stopped at it: a TP model attached and then compiled fell back to the global (data-parallel) grid,
+    warning "nor a model with one attached", and its norm was this rank's shard's alone, 2.0 for the 2.83 of the
+    whole weight."""
     whole = nn.Linear(2, 4, bias=False).double()  # the unsharded layer, by plain torch in float64
     whole(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
     oracle = float(whole.weight.grad.norm())
-    for rank, (attached, compiled, caught) in enumerate(run_world(2, _norms_of_a_model_attached_then_compiled)):
-        assert math.isclose(attached, oracle, rel_tol=1e-6), (rank, attached, oracle)
-        assert math.isclose(compiled, oracle, rel_tol=1e-6), (rank, compiled, oracle)
+    for rank, (*norms, caught) in enumerate(run_world(2, _norms_of_a_model_attached_then_compiled)):
+        assert all(math.isclose(norm, oracle, rel_tol=1e-6) for norm in norms), (rank, norms, oracle)
         assert caught == [], (rank, caught)
