@@ -2,14 +2,15 @@
 
 A model knows its own grid, so entry points given the model need no ``pg_collection`` argument (and
 one given anyway must agree with it). The collection is found through ``.module`` wrappers (DDP,
-mixed-precision wrappers) and must be the same on every chunk of a pipelined model.
+mixed-precision wrappers), ``torch.compile``'s and activation checkpointing's, and must be the same
+on every chunk of a pipelined model.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
 from pgregistry.collection import ProcessGroupCollection
 
@@ -116,14 +117,30 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
     return first
 
 
+_WRAPPED_SLOTS: Final = ("_orig_mod", "_checkpoint_wrapped_module")
+"""Where torch's wrappers hold the module they wrap.
+
+``torch.compile``'s ``OptimizedModule``, and the activation-checkpointing wrappers
+(``checkpoint_wrapper``, ``offload_wrapper``)."""
+
+
 def wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
-    """``module``, then what it wraps via ``.module`` attributes (DDP, mixed-precision wrappers)."""
+    """``module``, then what it wraps, each in turn.
+
+    Through torch's wrappers (:data:`_WRAPPED_SLOTS`, read from the wrapper's own modules), then
+    ``.module`` attributes (DDP, mixed-precision wrappers). torch's wrappers answer ``.module`` from
+    inside the module they wrap, so the chain stopped at them: a model attached and then compiled
+    (or wrapped for activation checkpointing) fell back to the global grid ("nor a model with one
+    attached"), a TP model's norm summed over another grid.
+    """
     seen: set[int] = set()
     current: object = module
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         yield current  # type: ignore[misc]  # a module, or what a wrapper's .module holds
-        current = getattr(current, "module", None)
+        children = getattr(current, "__dict__", {}).get("_modules", {})
+        wrapped = next((children[slot] for slot in _WRAPPED_SLOTS if slot in children), None)
+        current = wrapped if wrapped is not None else getattr(current, "module", None)
 
 
 def _as_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry._source.fields import GTP_REMAT_DP
-from pgregistry.collection import check_field_names, group_size
+from pgregistry.collection import NOT_MEMBER, check_field_names, group_size
 from pgregistry.fallback import warn_fallback
 from pgregistry.migrate._fallback_helper import reader_and_frame, value_of_kind
 
@@ -46,9 +46,16 @@ def _read_field(pg_collection: ProcessGroupCollection | None, field: str, kind: 
     owner, _ = reader_and_frame(3)  # the function that called pg_*
     if field != GTP_REMAT_DP:
         names = cast(Any, check_field_names([field]))  # ValueError naming an unknown field
-        return value_of_kind(
-            getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field), kind
-        )
+        group = getattr(resolve_pg_collection(pg_collection, owner=owner, fallback=names), field)
+        if group is NOT_MEMBER and kind != "group":
+            # value_of_kind read NOT_MEMBER as a group: AttributeError: ... no attribute 'rank'
+            raise ValueError(
+                f"{owner} reads the {kind} of the {field!r} group, but this rank belongs to no "
+                f"{field!r} group (NOT_MEMBER: a pipeline stage holding no embedding is in no "
+                f"embedding group); test pg_group(pg_collection, {field!r}) is NOT_MEMBER first, "
+                "where Megatron-Core's code tests is_rank_in_embedding_group()"
+            )
+        return value_of_kind(group, kind)
     resolved = resolve_pg_collection(pg_collection, owner=owner, fallback=("gtp_remat", "dp"))
     if group_size(cast("ProcessGroup | None", resolved.gtp_remat)) != 1:  # resolved: set
         raise ValueError(
@@ -76,7 +83,9 @@ def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str)
 
     Raises:
         ValueError: an unknown field (with a close match); the data-parallel group with GTP remat
-            and without CP when GTP remat spans several ranks (no field holds it).
+            and without CP when GTP remat spans several ranks (no field holds it); a ``kind`` other
+            than ``group`` of a field this rank is in no group of (``NOT_MEMBER``: ``embd`` on a
+            middle pipeline stage).
         RuntimeError: no collection and no global grid.
 
     Example::

@@ -555,7 +555,7 @@ def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter
         if missing and _is_same_param(param, previous):
             _give_roles(param, missing)
     _record_param(module, name, param)
-    if getattr(module, _INSIDE_EXPERT_MODULE, False):
+    if _is_inside_expert_module(module):
         setattr(param, _IN_EXPERT_MODULE, True)
 
 
@@ -624,8 +624,21 @@ def _mark_inside(module: nn.Module) -> None:
 
 def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     _bump_generation()
-    if submodule is not None and getattr(module, _INSIDE_EXPERT_MODULE, False):
+    if submodule is not None and _is_inside_expert_module(module):
         _mark_inside(submodule)
+
+
+def _is_inside_expert_module(module: nn.Module) -> bool:
+    """Whether ``module`` lies in a marked expert module, read from its own ``__dict__``.
+
+    Never through its class's ``__getattr__``: the hooks run inside a module's ``__init__``, and a
+    module may not answer ``getattr`` until it ends. ``torch.compile``'s ``OptimizedModule``
+    registers its ``_orig_mod`` first, and its ``__getattr__`` then raised ``KeyError:
+    '_orig_mod'``, so no model could be compiled once pgregistry and torch were imported. The mark
+    is set with ``setattr``, which stores a plain value in the module's ``__dict__`` (a module whose
+    ``__setattr__`` forwards it, as ``OptimizedModule`` does to ``_orig_mod``, registers nothing
+    itself: its inner module does)."""
+    return vars(module).get(_INSIDE_EXPERT_MODULE, False) is True
 
 
 # Submodules registered under a marked expert module after the mark (modules are usually marked at

@@ -41,7 +41,8 @@ can learn what the others know, and the loss is not survivable. Every survivor t
 checkpoint with a store no training rank hosts.
 
 A step in which the fault happened must not be half-applied: :func:`commit` is one all-reduce over
-the layout's span that every rank runs after its grads are synchronised and before
+the layout's span (two where the span holds several distributed-optimizer instances: within one,
+then across them) that every rank runs after its grads are synchronised and before
 ``optimizer.step()``; a rank whose step failed never reaches it, so no rank can pass it and step
 without the others (the survivors then redo that step on the smaller grid). Should a rank die inside
 the commit itself, some survivors may have stepped and others not: the verdict compares the steps
@@ -179,6 +180,10 @@ def generation() -> int:
 def commit(collection: ProcessGroupCollection) -> None:
     """Mark this rank's step as ready to apply: one all-reduce of one integer over the span.
 
+    Over ``intra_dist_opt``, the whole span as :func:`pgregistry.build` sets it; where it is one
+    instance of a partial distributed optimizer (Megatron-Core's
+    ``num_distributed_optimizer_instances``), then over ``inter_dist_opt`` too (two all-reduces).
+
     Call it after the step's last collective (grads synchronised, statistics reduced) and before
     ``optimizer.step()``. A rank whose step failed never reaches it, so it fails on every rank and
     no rank applies a step another did not; the survivors call :func:`recover` and redo the step.
@@ -189,7 +194,7 @@ def commit(collection: ProcessGroupCollection) -> None:
     Raises:
         TypeError: ``collection`` no collection (a group).
         ValueError: a destroyed collection (the one before a recovery: commit on
-            :attr:`Recovered.collection`).
+            :attr:`Recovered.collection`); one whose ``intra_dist_opt`` is not set.
 
     Example::
 
@@ -204,10 +209,16 @@ def commit(collection: ProcessGroupCollection) -> None:
     from pgregistry._runtime.agreement import world_device
     from pgregistry._runtime.resolve import check_usable
     from pgregistry.collection import group_size
+    from pgregistry.grad_stats._functional import verdict_groups
 
-    group = check_usable(collection, "commit").get("intra_dist_opt")
-    if group_size(group) > 1:
-        dist.all_reduce(torch.ones(1, dtype=torch.int32, device=world_device()), group=group)
+    intra, *inter = verdict_groups(check_usable(collection, "commit"), "commit")
+    layout = collection.layout
+    span = layout.num_ranks if layout is not None else dist.get_world_size()
+    # One instance of a partial distributed optimizer (intra_dist_opt smaller than the span) is
+    # followed by the group across instances: intra alone let another instance step alone.
+    for group in [intra, *inter] if group_size(intra) < span else [intra]:
+        if group_size(group) > 1:
+            dist.all_reduce(torch.ones(1, dtype=torch.int32, device=world_device()), group=group)
 
 
 def recover(

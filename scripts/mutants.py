@@ -855,8 +855,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="step-applied-without-commit",
         bug="commit() runs no collective: a rank whose peers failed mid-step applies the step alone",
         file="pgregistry/recovery.py",
-        find="    if group_size(group) > 1:\n        dist.all_reduce(",
-        replace="    if False:\n        dist.all_reduce(",
+        find="        if group_size(group) > 1:\n            dist.all_reduce(",
+        replace="        if False:\n            dist.all_reduce(",
         tests=(
             "tests/recovery/test_recover_gloo.py::"
             "test_a_rank_killed_before_the_grad_sync_lets_no_survivor_step_alone",
@@ -2026,6 +2026,76 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="        grads).\"\"\"\n        self._check_not_taken_over()",
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_not_read_as_zeros",),
+    ),
+    Mutant(
+        name="grad-assigned-by-hand-to-a-bf16-parameter-left-out",
+        bug="a .grad assigned by hand to a bf16 parameter of a mixed-precision optimizer, which its grad hook never "
+        "sees, left out of the norm and the step: a norm of 0.0 for 1.41, nothing stepped",
+        file="pgregistry/optim/_base.py",
+        find="            if param.grad is not None:  # the hook takes every grad backward accumulates",
+        replace="            if False:",
+        tests=("tests/optim/test_optim_hostile_inputs.py::"
+               "test_a_grad_assigned_by_hand_to_a_bf16_parameter_is_refused_not_left_out",),
+    ),
+    Mutant(
+        name="experts-stacked-in-one-tensor-saved-as-one-ranks",
+        bug="experts stacked in one parameter (no expert index in the name) checkpointed at EP 2: EP rank 0's "
+        "experts kept under the one name, loaded into EP rank 1 too, its own lost",
+        file="pgregistry/checkpoint/_by_name.py",
+        find='_refuse_experts_named_alike_on_every_ep_rank(params, group_size(collection.get("ep")), owner)',
+        replace="_refuse_experts_named_alike_on_every_ep_rank(params, 1, owner)",
+        tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
+               "test_experts_stacked_in_one_tensor_are_refused_at_ep_above_one_not_saved_as_one_ranks",),
+    ),
+    Mutant(
+        name="tp-pieces-of-other-shapes-gathered",
+        bug="a TP-sharded parameter cut 3 and 2 over TP 2 reaches the all-gather joining its pieces: gloo aborts "
+        "the process (SIGABRT) in every save",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    if model.tp_groups:  # alike on every rank: the layout's sizes",
+        replace="    if False:",
+        tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
+               "test_tp_pieces_of_other_shapes_are_refused_on_every_rank_not_an_abort",),
+    ),
+    Mutant(
+        name="fully-shard-dtensors-checkpointed-as-one-ranks-shard",
+        bug="fully_shard's DTensor parameters checkpointed as they are: data-parallel rank 0's shard stored as the "
+        "parameter, and the same sharded model loaded other than saved, without a word",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    _refuse_dtensors(params, owner)\n",
+        replace="",
+        tests=("tests/experts/test_checkpoint_hostile_inputs.py::"
+               "test_dtensor_parameters_of_fully_shard_are_refused_not_stored_as_one_ranks_shard",),
+    ),
+    Mutant(
+        name="registration-hook-reads-through-getattr",
+        bug="the module-registration hook reads the expert mark with getattr: torch.compile's OptimizedModule, "
+        "half-built, raises KeyError: '_orig_mod', and no model compiles once pgregistry is imported",
+        file="pgregistry/params.py",
+        find="    return vars(module).get(_INSIDE_EXPERT_MODULE, False) is True",
+        replace="    return getattr(module, _INSIDE_EXPERT_MODULE, False) is True",
+        tests=("tests/grad_stats/test_compiled_modules.py::"
+               "test_a_compiled_model_builds_keeps_its_roles_and_gives_the_oracles_norm",),
+    ),
+    Mutant(
+        name="commit-over-one-optimizer-instance",
+        bug="commit all-reduces over intra_dist_opt alone, one instance of a partial distributed optimizer: with a "
+        "rank of the other instance failed, this instance passes it and steps alone",
+        file="pgregistry/recovery.py",
+        find="    for group in [intra, *inter] if group_size(intra) < span else [intra]:",
+        replace="    for group in [intra]:",
+        tests=("tests/recovery/test_recovery_checks.py::"
+               "test_commit_spans_every_optimizer_instance_so_no_rank_steps_alone",),
+    ),
+    Mutant(
+        name="attachment-lost-by-torch-compile",
+        bug="the wrapper chain stops at torch.compile's OptimizedModule (or checkpoint_wrapper): a TP model attached "
+        "and then compiled falls back to the global grid, its norm this rank's shard's alone (2.0 for 2.83)",
+        file="pgregistry/attachments.py",
+        find="        wrapped = next((children[slot] for slot in _WRAPPED_SLOTS if slot in children), None)",
+        replace="        wrapped = None",
+        tests=("tests/grad_stats/test_compiled_modules.py::"
+               "test_a_model_attached_then_compiled_runs_on_its_collection_not_the_global_grid",),
     ),
 )
 

@@ -50,7 +50,7 @@ class ScanCache:
     def _load_entries(self) -> dict[str, list[Any]]:
         try:
             payload = json.loads(read_regular_file(self.file)[0])  # a FIFO there is not waited on
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # nested past the recursion limit too
             return {}
         if not isinstance(payload, dict) or payload.get("fingerprint") != self.fingerprint:
             return {}

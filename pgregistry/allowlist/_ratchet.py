@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,9 @@ def parse_json(text: str, name: str, what: str) -> Any:
     """``text`` as JSON; :class:`AllowlistError` naming the file, line and column when malformed.
 
     ``what`` names the format (``allowlist JSON``; ``JSON`` for Megatron-LM's list). A key twice in
-    one object (a merge that kept both sides) is refused, naming it, not read as its last value."""
+    one object (a merge that kept both sides) is refused, naming it, not read as its last value.
+    So is JSON Python's reader cannot hold (arrays nested past the recursion limit, an integer of
+    more than 4,300 digits), which escaped as a traceback, exit 1: "the check failed"."""
     try:
         return json.loads(text, object_pairs_hook=_object_of_distinct_keys)
     except json.JSONDecodeError as error:
@@ -127,6 +130,12 @@ def parse_json(text: str, name: str, what: str) -> Any:
             f"{name}: malformed {what}: {error.args[0]!r} is a key twice in one object (a merge "
             "that kept both sides?): merge the two into one, or regenerate the file"
         ) from None
+    except RecursionError:
+        raise AllowlistError(
+            f"{name}: malformed {what}: nested too deeply to read; regenerate the file"
+        ) from None
+    except ValueError as error:  # an integer past int's string-conversion limit
+        raise AllowlistError(f"{name}: malformed {what}: {error}; regenerate the file") from None
 
 
 @dataclass(frozen=True)
@@ -254,6 +263,7 @@ class Allowlist:
         for path, keys in allowed.items():
             if not path or path.startswith("/") or "\\" in path:
                 raise AllowlistError(f"{name}: {path!r} is not a project-relative POSIX path")
+            _refuse_unnormalised(path, name)
             if not isinstance(keys, dict):
                 raise AllowlistError(
                     f"{name}: entries of {path!r} must be an object of key -> count"
@@ -277,6 +287,22 @@ class Allowlist:
                 "(was it edited by hand? regenerate it with `pgregistry allowlist update`)"
             )
         return result
+
+
+def _refuse_unnormalised(path: str, name: str) -> None:
+    """``AllowlistError`` for a path written otherwise than the scan writes it.
+
+    ``./src/a.py``, ``src//a.py`` or ``src/x/../a.py`` (an entry merged by hand) named no scanned
+    file: ``check src`` did not judge it and called the read it allows new (exit 1), a check of
+    the whole tree called it moved, and ``update src`` kept it beside the entry it wrote."""
+    normal = posixpath.normpath(path)
+    if normal == ".." or normal.startswith("../"):
+        raise AllowlistError(f"{name}: {path!r} lies outside the project")
+    if normal != path:
+        raise AllowlistError(
+            f"{name}: {path!r} is not written as the scan writes paths: write {normal!r} (or "
+            "regenerate the file with `pgregistry allowlist update`)"
+        )
 
 
 def _sites_by_key(results: Iterable[FileResult]) -> dict[str, dict[str, list[Site]]]:

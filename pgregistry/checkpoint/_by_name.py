@@ -28,10 +28,17 @@ from torch import nn
 
 from pgregistry._runtime.resolve import normalise_model, normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
-from pgregistry.checkpoint._agreement import Scope, run_agreed_step, scope_of
+from pgregistry.checkpoint._agreement import (
+    Scope,
+    digest_of,
+    max_over_ranks,
+    run_agreed_step,
+    scope_of,
+)
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.experts import is_expert_key
 from pgregistry.experts._names import GlobalNamer, NamingOptions, check_naming_options, global_names
+from pgregistry.grad_stats._dtensors import is_dtensor
 from pgregistry.optim._param_state import (
     ParamState,
     ParamStateOptimizer,
@@ -111,6 +118,9 @@ class RankModel:
     writes_experts: bool
     sharded: dict[str, TensorParallelShard] = attrs.field(factory=dict)
     scope: Scope = attrs.field(factory=lambda: Scope(0, 1))
+    tp_groups: tuple[Any, ...] = ()
+    """The TP and expert-TP groups of more than one rank, in that order: those the pieces of
+    :attr:`sharded` are joined over."""
 
     def writes(self, name: str) -> bool:
         return self.writes_experts if is_expert_key(name) else self.writes_dense
@@ -203,6 +213,8 @@ def rank_model(
         layer_offsets=naming.get("layer_offsets"),
     )
     params: dict[str, nn.Parameter] = dict(global_names(namer))  # one name each, or it raised
+    _refuse_experts_named_alike_on_every_ep_rank(params, group_size(collection.get("ep")), owner)
+    _refuse_dtensors(params, owner)
     tp, expt_tp = collection.get("tp"), collection.get("expt_tp")
     sharded = {}
     for name, param in params.items():
@@ -227,7 +239,78 @@ def rank_model(
         group_rank(collection.get("expt_dp")) == 0 and group_rank(expt_tp) == 0,
         sharded,
         resolved_scope,
+        tuple(group for group in dict.fromkeys((tp, expt_tp)) if group_size(group) > 1),
     )
+
+
+def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
+    """``ValueError`` on every rank of a TP group holding TP-sharded pieces of other shapes.
+
+    A piece's whole is the all-gather of equal pieces: pieces of 3 and 2 elements (a size the TP
+    size does not divide, cut by ``chunk``) made gloo abort the process (SIGABRT) in the gather.
+    Collective over each of :attr:`RankModel.tp_groups`, which every rank has alike (one all-reduce
+    of two integers each); the ranks holding no sharded piece take part too."""
+    for group in model.tp_groups:
+        pieces = [
+            f"{name!r} {tuple(model.params[name].shape)}"
+            for name, shard in model.sharded.items()
+            if shard.group is group
+        ]
+        digest = digest_of(pieces)
+        tp_group = Scope(group_rank(group), group_size(group), group)
+        largest, negated_smallest = max_over_ranks([digest, -digest], tp_group)
+        if largest != -negated_smallest:
+            raise ValueError(
+                f"{owner}: the ranks {dist.get_process_group_ranks(group)} of a TP group hold "
+                "TP-sharded pieces of other shapes (or other TP-sharded parameters); this rank's: "
+                f"{', '.join(pieces) or 'none'}. pgregistry.checkpoint joins equal pieces: give "
+                "each TP-sharded parameter a size the TP size divides (pad it, as Megatron-Core "
+                "pads its vocabulary), and mark only parameters sharded on every TP rank"
+            )
+
+
+def _refuse_dtensors(params: Mapping[str, nn.Parameter], owner: str) -> None:
+    """``ValueError`` for parameters that are DTensors (``fully_shard``, ``distribute_tensor``).
+
+    Each rank's DTensor holds its local shard alone: a save stored data-parallel rank 0's shard as
+    the parameter, a load gave it to every rank (its own shard lost), and DCP's planner failed in
+    torch's words."""
+    sharded = [name for name, param in params.items() if is_dtensor(param)]
+    if sharded:
+        raise ValueError(
+            f"{owner}: {len(sharded)} parameter(s) are DTensors, e.g. {sharded[0]!r} (sharded by "
+            "fully_shard or distribute_tensor): each rank holds its own shard of them, which "
+            "pgregistry.checkpoint, storing each parameter whole from one rank, would mix up. "
+            "Checkpoint such a model with torch.distributed.checkpoint "
+            "(torch.distributed.checkpoint.state_dict.get_model_state_dict), or save it before "
+            "fully_shard"
+        )
+
+
+def _refuse_experts_named_alike_on_every_ep_rank(
+    params: Mapping[str, nn.Parameter], ep_size: int, owner: str
+) -> None:
+    """``ValueError`` for an expert parameter whose global name holds no expert index, at EP > 1.
+
+    Such a parameter (experts stacked in one tensor, as torchtitan's ``GroupedExperts`` holds them)
+    is named alike on every EP rank while each holds other experts: the checkpoint kept EP rank 0's
+    under the name, and a load gave them to every EP rank, the others' experts lost without a word.
+    """
+    if ep_size == 1:
+        return
+    unindexed = [
+        name for name, param in params.items() if is_expert_param(param) and not is_expert_key(name)
+    ]
+    if unindexed:
+        raise ValueError(
+            f"{owner}: {len(unindexed)} routed-expert parameter(s) have no expert index in their "
+            f"name, e.g. {unindexed[0]!r} (experts stacked in one tensor?): at EP size {ep_size} "
+            "every EP rank holds other experts under that one name, so the checkpoint would keep "
+            "one EP rank's experts and load them into every rank. pgregistry.checkpoint stores "
+            "experts by global index: give each expert its parameters under "
+            "'local_experts.<i>.' (or a grouped GEMM's 'weight<i>'), or checkpoint stacked "
+            "experts with torch.distributed.checkpoint over DTensors sharded on the EP mesh dim"
+        )
 
 
 def agree_on_rank_model(
@@ -236,12 +319,15 @@ def agree_on_rank_model(
     """:func:`rank_model` in a collective save or load over ``scope``, raising on all if on any.
 
     A rank whose model cannot be named must not leave the others waiting in the save's or load's
-    collectives."""
-    return run_agreed_step(
-        lambda: rank_model(model_chunks, owner, scope, **naming),
-        ValueError(f"{owner}: another rank's model cannot be checkpointed"),
-        scope,
+    collectives; nor may TP pieces of other shapes reach the gathers
+    (:func:`refuse_unequal_pieces`)."""
+    elsewhere = ValueError(f"{owner}: another rank's model cannot be checkpointed")
+    model = run_agreed_step(
+        lambda: rank_model(model_chunks, owner, scope, **naming), elsewhere, scope
     )
+    if model.tp_groups:  # alike on every rank: the layout's sizes
+        run_agreed_step(lambda: refuse_unequal_pieces(model, owner), elsewhere, scope)
+    return model
 
 
 def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
@@ -360,6 +446,7 @@ def state_by_name(
         state["model"]["decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"]
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
+    refuse_unequal_pieces(model, "state_by_name")  # before the gathers
     return _nest_flat_keys(flat_state(model, optimizer, primary_only=primary_only))
 
 

@@ -141,7 +141,41 @@ def _describe_missing(model: RankModel, stored: Mapping[str, Stored]) -> str:
     if not missing:
         return ""
     shown = first_few_quoted(missing, _SHOWN)
-    return f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}"
+    return (
+        f"the checkpoint lacks {len(missing)} of this rank's parameters, e.g. {shown}"
+        f"{_wrapper_hint(missing, stored)}"
+    )
+
+
+def _wrapper_hint(missing: list[str], stored: Mapping[str, Stored]) -> str:
+    """Where the checkpoint holds a missing parameter with one segment more or less, say so.
+
+    A model saved through a wrapper (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``,
+    activation checkpointing's ``_checkpoint_wrapped_module.`` inside a layer) and loaded without
+    it, or the other way round, lacks every wrapped parameter by name: the message named none of
+    the stored keys."""
+    held_names = [key[len(MODEL_PREFIX) :] for key in stored if key.startswith(MODEL_PREFIX)]
+    held = set(held_names)
+    shorter = {variant: name for name in held_names for variant in _one_segment_fewer(name)}
+    for name in missing[:_SHOWN]:
+        match = shorter.get(name) or next(
+            (variant for variant in _one_segment_fewer(name) if variant in held), None
+        )
+        if match is not None:
+            return (
+                f" (it holds {match!r}: saved through a wrapper (DDP's module., torch.compile's "
+                "_orig_mod., activation checkpointing's _checkpoint_wrapped_module.) and loaded "
+                "without it, or the other way round? Save and load the model wrapped alike)"
+            )
+    return ""
+
+
+def _one_segment_fewer(name: str) -> list[str]:
+    """``name`` with each of its dotted segments left out in turn (``a.b``: ``b``, then ``a``)."""
+    segments = name.split(".")
+    if len(segments) < 2:
+        return []
+    return [".".join(segments[:i] + segments[i + 1 :]) for i in range(len(segments))]
 
 
 def _describe_misfits(model: RankModel, stored: Mapping[str, Stored], strict: bool) -> str:

@@ -30,7 +30,9 @@ post-accumulate hook that adds each new ``.grad`` into it and frees it. ``param.
 in both cases. Zero grads with :meth:`FlatOptimizer.zero_grad`: ``model.zero_grad()`` sets ``.grad``
 to ``None`` and detaches it from the buffer, which :meth:`FlatOptimizer.sync_grads` detects and
 refuses (every parameter looked at), and the statistics and the step too (the first parameter of
-each kind: a loop without ``sync_grads`` read a norm of 0 and stepped nothing).
+each kind: a loop without ``sync_grads`` read a norm of 0 and stepped nothing). A ``.grad`` assigned
+by hand to a low-precision parameter never reaches the hook, so it is refused alike (it was left
+out of the norm and the step).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry._runtime.overlapping_tensors import first_overlap
 from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
+from pgregistry.grad_stats._dtensors import is_dtensor
 from pgregistry.grad_stats._functional import verdict_groups
 from pgregistry.grad_stats._lists import check_finite, scale_grads_
 from pgregistry.grad_stats._reductions import (
@@ -213,6 +216,12 @@ class FlatOptimizer(OptimizerStatistics):
         for param in self.params:
             if not isinstance(param, torch.Tensor) or not param.is_floating_point():
                 raise TypeError(f"{self.param_name(param)} is not a floating-point tensor")
+            if is_dtensor(param):  # its storage is no memory a flat buffer can take
+                raise TypeError(
+                    f"{self.param_name(param)} is a DTensor (sharded by fully_shard or "
+                    "distribute_tensor): this optimizer keeps plain tensors in flat buffers. Step "
+                    "such a model with a torch optimizer (torch.optim.AdamW(model.parameters()))"
+                )
             if not param.requires_grad:
                 # torch's optimizers skip a parameter whose .grad is None; a flat step updates
                 # every element of its buffer, so weight decay or momentum would move it.
@@ -258,6 +267,7 @@ class FlatOptimizer(OptimizerStatistics):
         self._reduce_keys: tuple[GroupKey, ...] = ()
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._moved: list[tuple[torch.Tensor, int]] = []
+        self._hooked: list[torch.Tensor] = []
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._taken_over: str | None = None
 
@@ -294,6 +304,7 @@ class FlatOptimizer(OptimizerStatistics):
             self._hooks[id(param)] = param.register_post_accumulate_grad_hook(
                 _accumulate_into(view)
             )
+            self._hooked.append(param)
 
     def _give_up_grad_home(self, param: torch.Tensor) -> None:
         """A later optimizer took ``param``'s grad: drop this one's hook on it, and refuse use.
@@ -331,10 +342,13 @@ class FlatOptimizer(OptimizerStatistics):
     def _check_attached(self, *, first_only: bool = False) -> None:
         """Refuse grads detached from the grad buffer.
 
-        Also parameters whose data left this optimizer's buffers, or whose grads a later optimizer
-        took. ``first_only``: look at the first parameter of each kind alone, a constant cost for
-        the statistics and the step (``model.zero_grad()`` and ``module.to()`` detach every
-        parameter, the first too); :meth:`sync_grads` looks at every one.
+        Also a ``.grad`` assigned by hand to a parameter whose grad a hook takes (a low-precision
+        one of a mixed-precision optimizer: the hook never sees it, and the buffer would read
+        without it), parameters whose data left this optimizer's buffers, or whose grads a later
+        optimizer took. ``first_only``: look at the first parameter of each kind alone, a constant
+        cost for the statistics and the step (``model.zero_grad()`` and ``module.to()`` detach
+        every parameter, the first too; grads assigned by hand are assigned to every one, the
+        first too); :meth:`sync_grads` looks at every one.
         """
         self._check_not_taken_over()
         direct = self._direct[:1] if first_only else self._direct
@@ -345,6 +359,17 @@ class FlatOptimizer(OptimizerStatistics):
                     f"{self.param_name(param)}.grad is no longer a view of the "
                     "optimizer's grad buffer (set to None by model.zero_grad() "
                     "or assigned?); zero grads with optimizer.zero_grad()"
+                )
+        hooked = self._hooked[:1] if first_only else self._hooked
+        for param in hooked:
+            if param.grad is not None:  # the hook takes every grad backward accumulates
+                raise RuntimeError(
+                    f"{self.param_name(param)}.grad is set, but this optimizer takes a "
+                    f"{param.dtype} parameter's grad into its float32 buffer when backward "
+                    "accumulates it (a hook), which a .grad assigned by hand never reaches: it "
+                    "would be left out of the norm and the step. Add it to "
+                    f"{self.param_name(param)}.main_grad (its view of the buffer) instead, or "
+                    "compute it with backward()"
                 )
         for param, address in moved:
             if param.data_ptr() != address:

@@ -451,3 +451,59 @@ def test_a_read_only_allowlist_is_refused_and_left_as_it_is(
     assert main(["migrate", "--write"]) == 2
     assert "read-only" in capsys.readouterr().err and listed.read("src/pkg/b.py") == source
     assert path.read_bytes() == before and path.stat().st_mode & 0o777 == 0o444
+
+
+def test_json_pythons_reader_cannot_hold_is_named_exit_2_and_a_cache_of_it_passed_over(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Arrays nested past Python's recursion limit, or an integer of more than 4,300 digits, escaped ``json.loads``
+    as a ``RecursionError`` or ``ValueError`` traceback: exit 1, which the ratchet keeps for "the check failed".
+    A scan cache of such JSON (said to be passed over when it cannot be read) stopped every run alike."""
+    from pgregistry._source.cache import ScanCache
+    from pgregistry._source.config import ScanConfig
+
+    path = listed.root / "allowlist.json"
+    good = path.read_text()
+    nested = "[" * 100_000 + "]" * 100_000
+    for text, why in ((nested, "nested too deeply to read"), (good.replace('"total": 1', '"total": 1' + "0" * 5000),
+                                                               "Exceeds the limit (4300 digits)")):
+        path.write_text(text)
+        for action in (["check"], ["stats"], ["update", "src/pkg/b.py"]):  # a full update replaces it, saying so
+            code, _, err = run(capsys, *action, "--no-cache")
+            assert code == 2, (action, code, err)
+            assert err.startswith("pgregistry allowlist: error: allowlist.json: malformed allowlist JSON:"), err
+            assert why in err and "regenerate the file" in err and "Traceback" not in err, (action, err)
+            assert path.read_text() == text
+    (listed.root / "megatron.json").write_text(nested)
+    code, _, err = run(capsys, "import", "--from", "megatron.json", "--no-cache")
+    assert code == 2 and "megatron.json: malformed JSON: nested too deeply to read" in err, err
+    path.write_text(good)
+    cache = ScanCache(listed.root / ".pgregistry_cache", ScanConfig()).file
+    cache.parent.mkdir(exist_ok=True)
+    cache.write_text(nested)
+    assert run(capsys, "update")[0] == 0  # every file parsed, as without a cache
+    assert "src/pkg/b.py" in listed.read("allowlist.json")
+
+
+def test_a_path_written_otherwise_than_the_scan_writes_it_is_refused_naming_the_spelling(
+    listed: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``./src/pkg/a.py`` (an entry merged by hand) named no scanned file: ``check src`` left it unjudged and called
+    the read it allows new (exit 1), a check of the whole tree passed calling it moved, and ``update src/pkg/b.py``
+    kept it. Each spelling is refused, exit 2, naming the one to write; nothing is written."""
+    path = listed.root / "allowlist.json"
+    good = path.read_text()
+    spellings = {
+        "./src/pkg/a.py": "write 'src/pkg/a.py'",
+        "src//pkg/a.py": "write 'src/pkg/a.py'",
+        "src/pkg/../pkg/a.py": "write 'src/pkg/a.py'",
+        "src/pkg/a.py/": "write 'src/pkg/a.py'",
+        "../src/pkg/a.py": "lies outside the project",
+    }
+    for spelling, why in spellings.items():
+        path.write_text(good.replace('"src/pkg/a.py"', json.dumps(spelling)))
+        before = path.read_bytes()
+        for action in (["check", "src"], ["check"], ["update", "src/pkg/b.py"]):
+            code, _, err = run(capsys, *action, "--no-cache")
+            assert code == 2 and f"allowlist.json: {spelling!r}" in err and why in err, (spelling, action, err)
+            assert path.read_bytes() == before

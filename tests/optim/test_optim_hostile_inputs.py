@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -499,3 +500,70 @@ def test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_n
     optimizer.step()
     for param, oracle in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(param.detach().double(), oracle.detach() - 0.5 * oracle.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [MixedPrecisionOptimizer, ShardedOptimizer], ids=["mixed", "sharded"])
+def test_a_grad_assigned_by_hand_to_a_bf16_parameter_is_refused_not_left_out(kind: type) -> None:
+    """A bf16 parameter's grad reaches the float32 buffer through a hook on backward's accumulation; a ``.grad``
+    assigned by hand (grads from ``torch.autograd.grad``, or loaded) never reached it: the norm read 0.0 for
+    the grads' 1.41 and the step moved nothing, without a word."""
+    model = _linear(torch.bfloat16)
+    optimizer = kind(list(model.parameters()), OFF, inner=inner_factory("sgd", lr=0.5))
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [torch.full_like(p, 0.5) for p in model.parameters()]  # 8 elements of 0.5: a norm of sqrt(2)
+    for param, grad in zip(model.parameters(), grads, strict=True):
+        param.grad = grad.clone()
+    assigned = r"^param\[0\]\.grad is set, but this optimizer takes a torch.bfloat16 parameter's grad .*\.main_grad"
+    for use in ("get_grad_norm", "count_zeros", "sync_grads", "step"):
+        with pytest.raises(RuntimeError, match=assigned):
+            getattr(optimizer, use)()
+    with pytest.raises(RuntimeError, match=assigned):
+        optimizer.clip_grad_norm(1.0)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    # Added to main_grad as the message says: the float64 oracle's norm, and SGD's step by hand.
+    for param, grad in zip(model.parameters(), grads, strict=True):
+        param.grad = None
+        param.main_grad.add_(grad)  # type: ignore[attr-defined]
+    expected = torch.cat([grad.double().flatten() for grad in grads]).norm()
+    assert float(optimizer.get_grad_norm()) == pytest.approx(float(expected), rel=1e-6)
+    optimizer.step()
+    for param, start, grad in zip(model.parameters(), before, grads, strict=True):
+        assert torch.equal(param.detach(), (start.double() - 0.5 * grad.double()).to(torch.bfloat16))
+
+
+def _optimizers_of_a_fully_sharded_model() -> dict[str, str]:
+    from torch.distributed.fsdp import fully_shard
+
+    from pgregistry.mesh import to_device_mesh
+
+    collection = registry.build(ParallelLayout(num_ranks=2))
+    model = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(model, mesh=to_device_mesh(collection, ("dp_cp",), "cpu"))
+    groups = setup_process_groups_for_optimizer(collection)
+    out = {}
+    for sharded in (False, True):
+        try:
+            build_optimizer(model, collection, optimizer="sgd", lr=0.1, sharded=sharded)
+        except (TypeError, ValueError) as error:
+            out[f"build_optimizer sharded={sharded}"] = f"{type(error).__name__}: {error}"
+    for kind in (MixedPrecisionOptimizer, ShardedOptimizer):
+        try:
+            kind(list(model.parameters()), groups, inner=inner_factory("sgd", lr=0.1))
+        except (TypeError, ValueError) as error:
+            out[kind.__name__] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def test_dtensor_parameters_of_fully_shard_are_refused_naming_them() -> None:
+    """``fully_shard``'s parameters are DTensors, whose storage no flat buffer can take: every optimizer failed in
+    torch's ``Attempted to access the data pointer on an invalid python storage``, naming no parameter."""
+    for rank, out in enumerate(run_world(2, _optimizers_of_a_fully_sharded_model, timeout=60.0)):
+        assert len(out) == 4, (rank, out)
+        for call, error in out.items():
+            name = "0.weight" if call.startswith("build_optimizer") else r"param\[0\]"
+            assert re.fullmatch(
+                rf"TypeError: {name} is a DTensor \(sharded by fully_shard or distribute_tensor\): this optimizer "
+                r"keeps plain tensors in flat buffers\. Step such a model with a torch optimizer "
+                r"\(torch\.optim\.AdamW\(model\.parameters\(\)\)\)",
+                error,
+            ), (rank, call, error)

@@ -125,3 +125,36 @@ def test_recover_names_a_bad_argument_before_it_checks_in() -> None:
         "RuntimeError: rank 0 called recover but is among the lost ranks [0] it was given",
         "world kept: True",
     ]
+
+
+def _commit_over_two_optimizer_instances() -> str:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pgregistry import build
+    from pgregistry.layout import ParallelLayout
+    from pgregistry.recovery import commit
+
+    rank = dist.get_rank()
+    quick = timedelta(seconds=5)
+    instances = [dist.new_group(ranks, timeout=quick) for ranks in ([0, 1], [2, 3])]
+    across = [dist.new_group(ranks, timeout=quick) for ranks in ([0, 2], [1, 3])]
+    # Two distributed-optimizer instances, as Megatron-Core's num_distributed_optimizer_instances=2 makes them.
+    pg = build(ParallelLayout(num_ranks=4)).evolve(intra_dist_opt=instances[rank // 2], inter_dist_opt=across[rank % 2])
+    if rank == 3:
+        return "its step failed: no commit"  # and its process ends, as a lost rank's does
+    try:
+        commit(pg)
+    except RuntimeError:
+        return "refused"
+    return "committed: would step"
+
+
+def test_commit_spans_every_optimizer_instance_so_no_rank_steps_alone() -> None:
+    """``commit`` all-reduced over ``intra_dist_opt`` alone, one instance of a partial distributed optimizer: with
+    rank 3's step failed, ranks 0 and 1 (the other instance) passed it and stepped, rank 2 did not, so the survivors
+    committed different steps and ``recover`` refused to go on (reload a checkpoint). It spans ``inter_dist_opt``
+    too now, as a clip's verdict does: no rank passes it."""
+    outcomes = run_world(4, _commit_over_two_optimizer_instances, timeout=60.0)
+    assert outcomes == ["refused", "refused", "refused", "its step failed: no commit"], outcomes
