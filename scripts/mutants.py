@@ -1533,6 +1533,31 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_side_by_side.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
     ),
     Mutant(
+        name="migrate-drops-an-import-that-fails-without-megatron",
+        bug="migrate drops an unguarded import of Megatron-Core the rewrite left unused: without Megatron-Core the "
+        "module imports (the helper's own import of parallel_state is guarded), and a function that imported it "
+        "inside returns where it raised ModuleNotFoundError",
+        file="pgregistry/migrate/_rewrite.py",
+        find="        if id(original) in self.kept_for_error:\n            return with_noqa_marker(original)\n",
+        replace="",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_that_fails_without_megatron_core_still_fails_where_it_did",
+        ),
+    ),
+    Mutant(
+        name="migrate-takes-any-import-for-one-failing-alike",
+        bug="migrate drops an import of Megatron-Core the rewrite left unused after any import that stays (import "
+        "os): without Megatron-Core the module imports where it failed",
+        file="pgregistry/migrate/_import_errors.py",
+        find="    return kept == package or kept.startswith(package + \".\")\n",
+        replace="    return True\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_that_fails_without_megatron_core_still_fails_where_it_did",
+        ),
+    ),
+    Mutant(
         name="migrate-drops-a-reexported-import",
         bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
         "m import get_x, m.get_x, import *, __all__): that module's import fails",

@@ -554,7 +554,7 @@ class _Worker:
         assert plan.data is not None
         data = plan.data
         try:
-            text = apply_rewrites(plan, self.idiom, self.width, reached)
+            text = apply_rewrites(plan, self.idiom, self.width, reached, self.facts.modules)
             after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
             return _internal_error(plan.path, error)

@@ -50,17 +50,26 @@ def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_ini
         return tp_group
     return "the expert tensor-parallel group" if is_expert else "the tensor-parallel group"
 """
-#: Run in each tree: each expression's value, or its exception's type (a failed import included).
+#: Run in each tree: each expression's value, or its exception's type and message (a failed import included).
+#: ``without``: Megatron-Core is not installed (the stand-in and the venv's real one hidden alike): importing any
+#: ``megatron`` module raises ``ModuleNotFoundError: No module named 'megatron'``, as it does there.
 _PROBE = """
 import json, sys
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "megatron":
+            raise ModuleNotFoundError("No module named 'megatron'", name="megatron")
+        return None
+
 if sys.argv[2] == "without":
-    sys.modules["megatron"] = None  # Megatron-Core is not installed: importing it raises ImportError
+    sys.meta_path.insert(0, NotInstalled())
 outcomes = {}
 for expression in json.loads(sys.argv[1]):
     try:
         outcomes[expression] = repr(eval(expression))
     except BaseException as error:
-        outcomes[expression] = type(error).__name__
+        outcomes[expression] = f"{type(error).__name__}: {error}"
 print(json.dumps(outcomes))
 """
 
@@ -69,7 +78,8 @@ def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, st
     stand_in = root.parent / "stand_in"
     write_sources(stand_in, {"megatron/__init__.py": "", "megatron/core/__init__.py": "",
                              "megatron/core/parallel_state.py": _STAND_IN,
-                             "megatron/core/utils.py": _STAND_IN_UTILS})
+                             "megatron/core/utils.py": _STAND_IN_UTILS,
+                             "megatron/core/config.py": "class Config:\n    name = 'config'\n"})
     path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
     completed = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(expressions), megatron],
@@ -457,3 +467,58 @@ def test_a_keyword_the_rewrite_would_drop_is_still_evaluated(tmp_path: Path) -> 
     expression = "(lambda s: (s.first, s.group, s.rank, s.reads))(__import__('pkg.stage').stage.Stage('mine'))"
     seen = _side_by_side(tmp_path, files, [expression], settings=("with",))
     assert seen[expression] == repr((True, "mine", 3, ["vp_stage", "checked"])), seen
+
+
+def test_an_import_that_fails_without_megatron_core_still_fails_where_it_did(tmp_path: Path) -> None:
+    """Without Megatron-Core, a module whose only import of it the rewrite left unused (``parallel_state``, or a
+    fallback helper of ``megatron.core.utils``) failed at import; a function importing it inside failed at each call,
+    also where its read did not run (a group given, a branch not taken). The rewrite dropped those imports and the
+    helper's own import of ``parallel_state`` is guarded, so the module imported and the call returned. An import of
+    the same package that stays next to it fails first anyway: that one still goes."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/only_helper.py": """
+            from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+            def group(tp_group):
+                return get_tensor_model_parallel_group_if_none(tp_group)
+        """,
+        "pkg/only_state.py": """
+            import os
+            from megatron.core import parallel_state
+
+            def rank():
+                return parallel_state.get_tensor_model_parallel_rank()
+        """,
+        "pkg/lazy.py": """
+            def group(tp_group):
+                from megatron.core.utils import get_tensor_model_parallel_group_if_none
+                return get_tensor_model_parallel_group_if_none(tp_group)
+
+            def rank(flag):
+                from megatron.core import parallel_state
+                if flag:
+                    return parallel_state.get_tensor_model_parallel_rank()
+                return 0
+        """,
+        "pkg/covered.py": """
+            from megatron.core import parallel_state
+            from megatron.core.config import Config
+
+            def rank():
+                return parallel_state.get_tensor_model_parallel_rank(), Config.name
+        """,
+    }
+    expressions = [
+        "__import__('pkg.only_helper') and 'imported'",
+        "__import__('pkg.only_helper').only_helper.group('mine')",
+        "__import__('pkg.only_state') and 'imported'",
+        "__import__('pkg.lazy').lazy.group('mine')",
+        "__import__('pkg.lazy').lazy.rank(False)",
+        "__import__('pkg.covered').covered.rank()",
+    ]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["'imported'", "'mine'", "'imported'", "'mine'", "0", "(3, 'config')"],
+                            strict=True)), seen
+    covered = (tmp_path / "migrated/pkg/covered.py").read_text()
+    assert "parallel_state" not in covered, covered
