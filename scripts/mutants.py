@@ -1558,6 +1558,42 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-takes-the-keyword-out-of-kwargs",
+        bug="migrate gives def build(**kwargs) the keyword-only pg_collection though a call of the tree passes "
+        "pg_collection= into its kwargs: the parameter takes it out of them",
+        file="pgregistry/migrate/_plan.py",
+        find="if function.node.params.star_kwarg is not None and called_as in facts.passed_the_keyword:",
+        replace="if False:",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-upward-into-kwargs",
+        bug="migrate threads upward a read-less def f(**kwargs) whose callers pass pg_collection= into its "
+        "kwargs: the new parameter takes it out of them",
+        file="pgregistry/migrate/_upward.py",
+        find="        or (definition.takes_keywords and name in passed_the_keyword)\n",
+        replace="",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-forwards-the-keyword-out-of-kwargs",
+        bug="migrate makes a subclass __init__(self, x, **kwargs) forward pg_collection to its base though the "
+        "tree instantiates it passing pg_collection= into its kwargs",
+        file="pgregistry/migrate/_inherited.py",
+        find="                forwards = cls.forwards and not (\n",
+        replace="                forwards = cls.forwards or (\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter",
+        ),
+    ),
+    Mutant(
         name="migrate-drops-a-reexported-import",
         bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
         "m import get_x, m.get_x, import *, __all__): that module's import fails",

@@ -113,6 +113,8 @@ class DefinitionFacts:
     calls: frozenset[CallTarget]
     #: Whether it (or a function nested in it) calls ``locals()``: a new parameter would show there.
     calls_locals: bool = False
+    #: Whether it takes ``**kwargs``, where a caller's keyword of the collection's name goes.
+    takes_keywords: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,8 @@ class TopLevel:
     first_base: tuple[str, ...] | None = None
     inherits: bool = False
     forwards: bool = False
+    #: Whether its own ``__init__`` takes ``**kwargs`` (a class).
+    takes_keywords: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,6 +311,7 @@ def _top_level(node: ast.stmt, keyword: str) -> TopLevel | None:
         tuple(base) if base is not None else None,
         runs_the_base_init(node),
         forwards_to_the_base_init(node, keyword),
+        init is not None and init.args.kwarg is not None,
     )
 
 
@@ -381,6 +386,7 @@ def _definitions_with_calls(
                 holds,
                 calls,
                 any(type(c.func) is ast.Name and c.func.id == "locals" for c in within),
+                node.args.kwarg is not None,
             )
 
 

@@ -1280,6 +1280,12 @@ def _cannot_thread(
     if CALLS_LOCALS in function.names:
         return LOCALS_REASON
     method_of = function.method_of
+    called_as = method_of.name.value if method_of is not None and name == "__init__" else name
+    if function.node.params.star_kwarg is not None and called_as in facts.passed_the_keyword:
+        return (
+            f"takes **kwargs, and a call of {called_as} in the tree passes the collection's "
+            "keyword into them: a new parameter would take it from them"
+        )
     if (
         method_of is not None
         and name in CALLED_BY_AUTOGRAD

@@ -522,3 +522,42 @@ def test_an_import_that_fails_without_megatron_core_still_fails_where_it_did(tmp
                             strict=True)), seen
     covered = (tmp_path / "migrated/pkg/covered.py").read_text()
     assert "parallel_state" not in covered, covered
+
+
+def test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter(tmp_path: Path) -> None:
+    """``def build(**kwargs)`` that a call of the tree passes ``pg_collection=`` to had it in ``kwargs`` (forwarded
+    to a constructor, stored, ignored); a new keyword-only parameter of that name took it out of them. So did one
+    threaded upward (it reads nothing, but calls a function that does) and a subclass ``__init__`` forwarding to a
+    threaded base's through ``super().__init__`` (found by the fifth round of the audit, docs/reliability.md)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/build.py": """
+            from megatron.core import parallel_state
+
+            def build(**kwargs):
+                size = parallel_state.get_tensor_model_parallel_world_size()
+                return size, sorted(kwargs)
+
+            def sizes():
+                return parallel_state.get_tensor_model_parallel_world_size()
+
+            def build_through(**kwargs):
+                return sizes(), sorted(kwargs)
+
+            class Base:
+                def __init__(self, x):
+                    self.size = x + parallel_state.get_tensor_model_parallel_world_size()
+
+            class Gathered(Base):
+                def __init__(self, x, **kwargs):
+                    super().__init__(x)
+                    self.extra = sorted(kwargs)
+
+            def callers(pg_collection=None):
+                return (build(pg_collection="mine", x=1), build_through(pg_collection="mine"),
+                        Gathered(1, pg_collection="mine").extra, sizes())
+        """,
+    }
+    expression = "__import__('pkg.build').build.callers()"
+    seen = _side_by_side(tmp_path, files, [expression])
+    assert seen == {expression: repr(((4, ["pg_collection", "x"]), (4, ["pg_collection"]), ["pg_collection"], 4))}
