@@ -1586,11 +1586,47 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate makes a subclass __init__(self, x, **kwargs) forward pg_collection to its base though the "
         "tree instantiates it passing pg_collection= into its kwargs",
         file="pgregistry/migrate/_inherited.py",
-        find="                forwards = cls.forwards and not (\n",
-        replace="                forwards = cls.forwards or (\n",
+        find="cls.takes_keywords and cls.name in passed_the_keyword",
+        replace="False",
         tests=(
             "tests/migrate/test_migrate_side_by_side.py::"
             "test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-trusts-a-collection-attribute-set-later",
+        bug="migrate reads self.pg_collection as set in every method where __init__ sets it only in a branch, "
+        "a setup method sets it, or __init__ calls a method first: AttributeError where the global state was read",
+        file="pgregistry/migrate/_plan.py",
+        find='if any(not a.method or a.method == "__init__" and a.early for a in assigned):',
+        replace="if True:",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr",
+        ),
+    ),
+    Mutant(
+        name="migrate-trusts-a-collection-attribute-set-in-a-block",
+        bug="migrate takes self.pg_collection assigned in a branch of __init__ for set below it: AttributeError "
+        "where the branch did not run",
+        file="pgregistry/migrate/_plan.py",
+        find="index = self.statement[-1] if self._at_the_top_of(function) else -1",
+        replace="index = self.statement[-1] if len(self.statement) == 2 else -1",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr",
+        ),
+    ),
+    Mutant(
+        name="migrate-trusts-a-collection-attribute-set-after-a-method-call",
+        bug="migrate takes self.pg_collection set by __init__ after it calls self.build() for set in build, which "
+        "then raises AttributeError",
+        file="pgregistry/migrate/_plan.py",
+        find="function.calls_self_at is None or function.calls_self_at > index",
+        replace="True",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr",
         ),
     ),
     Mutant(

@@ -561,3 +561,46 @@ def test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_param
     expression = "__import__('pkg.build').build.callers()"
     seen = _side_by_side(tmp_path, files, [expression])
     assert seen == {expression: repr(((4, ["pg_collection", "x"]), (4, ["pg_collection"]), ["pg_collection"], 4))}
+
+
+def test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr(tmp_path: Path) -> None:
+    """``self.pg_collection`` assigned in a branch of ``__init__``, only by a setup method, or by ``__init__`` after
+    it calls a method that reads it: another method read it as set and raised ``AttributeError`` where the original
+    read the global state (found by the fifth round of the audit, docs/reliability.md). Such an attribute is read
+    with ``getattr(self, "pg_collection", None)``; ``__init__`` itself reads it only below an assignment at its
+    top level."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/model.py": """
+            from megatron.core import parallel_state as ps
+
+            class Conditional:
+                def __init__(self, collection=None):
+                    if collection is not None:
+                        self.pg_collection = collection
+                    self.size = ps.get_tensor_model_parallel_world_size()
+
+                def forward(self):
+                    return ps.get_tensor_model_parallel_rank()
+
+            class Setup:
+                def setup(self, pg_collection):
+                    self.pg_collection = pg_collection
+
+                def forward(self):
+                    return ps.get_tensor_model_parallel_rank()
+
+            class Late:
+                def __init__(self, pg_collection=None):
+                    self.size = self.build()
+                    self.pg_collection = pg_collection
+
+                def build(self):
+                    return ps.get_tensor_model_parallel_world_size()
+        """,
+    }
+    model = "__import__('pkg.model').model"
+    expressions = [f"{model}.Conditional().size", f"{model}.Conditional().forward()", f"{model}.Setup().forward()",
+                   f"{model}.Late().size"]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["4", "3", "3", "4"], strict=True)), seen
