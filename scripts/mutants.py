@@ -1630,6 +1630,28 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-threads-a-function-calling-vars",
+        bug="migrate gives a function that calls vars() or dir() without arguments the collection's parameter: "
+        "what they return (its locals) holds it too",
+        file="pgregistry/migrate/_plan.py",
+        find="            function.names.add(CALLS_LOCALS)  # reads the frame's locals, as locals() does\n",
+        replace="            pass\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::test_a_function_calling_vars_or_dir_alone_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-upward-a-function-calling-vars",
+        bug="migrate threads upward a function that calls vars() without arguments: what it returns holds the "
+        "new parameter",
+        file="pgregistry/migrate/_facts.py",
+        find='        or function.id in ("vars", "dir") and not call.args and not call.keywords\n',
+        replace="",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::test_a_function_calling_vars_or_dir_alone_gets_no_parameter",
+        ),
+    ),
+    Mutant(
         name="migrate-drops-a-reexported-import",
         bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
         "m import get_x, m.get_x, import *, __all__): that module's import fails",

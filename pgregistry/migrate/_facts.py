@@ -219,6 +219,17 @@ def _calls_within(node: ast.AST) -> Iterator[ast.Call]:
                 stack.append(value)
 
 
+def _reads_the_frame(call: ast.Call) -> bool:
+    """Whether ``call`` returns its caller's locals: ``locals()``, ``vars()`` or ``dir()`` alone."""
+    function = call.func
+    return type(function) is ast.Name and (
+        function.id == "locals"
+        or function.id in ("vars", "dir")
+        and not call.args
+        and not call.keywords
+    )
+
+
 def _parameter_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
     return tuple(a.arg for a in (*node.args.args, *node.args.kwonlyargs))
 
@@ -385,7 +396,7 @@ def _definitions_with_calls(
                 name in definition_text(node),
                 holds,
                 calls,
-                any(type(c.func) is ast.Name and c.func.id == "locals" for c in within),
+                any(_reads_the_frame(c) for c in within),
                 node.args.kwarg is not None,
             )
 

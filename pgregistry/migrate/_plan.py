@@ -140,9 +140,14 @@ FIXED_SIGNATURE = (
 )
 COMPILERS = ("jit", "script", "compile", "fuser")
 #: A function that names it (``locals()``, ``dict(locals())``: a config captured from the
-#: arguments) would return the collection's parameter too: it gets none.
+#: arguments) would return the collection's parameter too: it gets none. So would ``vars()`` and
+#: ``dir()`` called without arguments (:data:`FRAME_READERS`), which count as naming it.
 CALLS_LOCALS = "locals"
-LOCALS_REASON = "calls locals(), which would return the new parameter too"
+FRAME_READERS = frozenset({"vars", "dir"})
+LOCALS_REASON = (
+    "calls locals() (or vars() or dir() without arguments), "
+    "which would return the new parameter too"
+)
 #: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional
 #: arguments only).
 CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
@@ -684,6 +689,13 @@ class _Locator(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         function = self.current
+        if (
+            function is not None
+            and isinstance(node.func, cst.Name)
+            and node.func.value in FRAME_READERS
+            and not node.args
+        ):
+            function.names.add(CALLS_LOCALS)  # reads the frame's locals, as locals() does
         if (
             function is not None
             and function.calls_self_at is None

@@ -604,3 +604,43 @@ def test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr(tmp
                    f"{model}.Late().size"]
     seen = _side_by_side(tmp_path, files, expressions)
     assert seen == dict(zip(expressions, ["4", "3", "3", "4"], strict=True)), seen
+
+
+def test_a_function_calling_vars_or_dir_alone_gets_no_parameter(tmp_path: Path) -> None:
+    """``vars()`` and ``dir()`` without arguments return the caller's locals, as ``locals()`` does: with the new
+    parameter they held it too, directly and threaded upward (found by the fifth round of the audit,
+    docs/reliability.md). ``vars(obj)`` reads no frame: that function is rewritten."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/frames.py": """
+            from megatron.core import parallel_state as ps
+
+            def with_vars(hidden):
+                rank = ps.get_tensor_model_parallel_rank()
+                return sorted(vars())
+
+            def with_dir():
+                size = ps.get_tensor_model_parallel_world_size()
+                return dir()
+
+            def reads():
+                return ps.get_tensor_model_parallel_world_size()
+
+            def above(hidden):
+                size = reads()
+                return sorted(vars())
+
+            class Box:
+                def __init__(self):
+                    self.a = 1
+
+            def of_an_object():
+                return sorted(vars(Box())), ps.get_tensor_model_parallel_rank()
+        """,
+    }
+    frames = "__import__('pkg.frames').frames"
+    expressions = [f"{frames}.with_vars(8)", f"{frames}.with_dir()", f"{frames}.above(8)", f"{frames}.of_an_object()"]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["['hidden', 'rank']", "['size']", "['hidden', 'size']", "(['a'], 3)"],
+                            strict=True)), seen
+    assert "def of_an_object(*, pg_collection=None):" in (tmp_path / "migrated/pkg/frames.py").read_text()
