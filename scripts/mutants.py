@@ -1645,7 +1645,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate threads upward a function that calls vars() without arguments: what it returns holds the "
         "new parameter",
         file="pgregistry/migrate/_facts.py",
-        find='        or function.id in ("vars", "dir") and not call.args and not call.keywords\n',
+        find='        or function.id in ("vars", "dir")\n        and not call.args\n        and not call.keywords\n',
         replace="",
         tests=(
             "tests/migrate/test_migrate_side_by_side.py::test_a_function_calling_vars_or_dir_alone_gets_no_parameter",
