@@ -1409,7 +1409,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "above param_is_not_gtp_duplicate) gets no parameter, so no caller above can pass one (issue 40)",
         file="pgregistry/migrate/_engine.py",
         find="upward = thread_upward(\n"
-        "            index, contents, {**threaded, **methods}, packages, name, tree_facts.dropping\n        )",
+        "            index,\n            contents,\n            {**threaded, **methods},\n            packages,\n"
+        "            name,\n            tree_facts.dropping,\n            tree_facts.passed_the_keyword,\n        )",
         replace="upward = Upward()",
         tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
                "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read",

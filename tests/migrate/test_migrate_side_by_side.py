@@ -8,7 +8,13 @@ went too; a function calling ``locals()`` returned the new parameter in it; a fi
 (``pg_size = group.size()``) called its own where it meant the helper, or the helper where it meant its own; a
 function whose decorator's wrapper takes no ``**kwargs`` was passed the keyword, a ``TypeError`` at every call; so
 was a function defined once more at module level (``if HAVE_TE: def f ... else: def f``); a local collection
-assigned in a branch was read, or passed, where the branch had not run (``UnboundLocalError``)."""
+assigned in a branch was read, or passed, where the branch had not run (``UnboundLocalError``).
+
+Found by its fifth round (docs/reliability.md, "Fifth round of the rewrite's behaviour"): without Megatron-Core, a
+module whose only import of it went with the reads imported (and a function importing it inside returned); a
+function taking ``**kwargs`` that a caller passes ``pg_collection=`` lost it from them to the new parameter;
+``self.pg_collection`` set in a branch, by a setup method or after a method call was read as set
+(``AttributeError``); ``vars()`` / ``dir()`` returned the new parameter, as ``locals()`` did."""
 
 from __future__ import annotations
 
