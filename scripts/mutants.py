@@ -1653,6 +1653,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-reads-the-codes-own-group-for-the-global",
+        bug="migrate rewrites get_tensor_model_parallel_group() below pgc = ProcessGroupCollection(tp=tp_group) "
+        "into a read of pgc: it answers the code's tp_group where the original read the global group",
+        file="pgregistry/migrate/_plan.py",
+        find='    if not given or not (uses & given or "*" in given):\n',
+        replace="    if True:\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_read_through_a_local_collection_given_the_codes_own_group_stays",
+        ),
+    ),
+    Mutant(
+        name="migrate-takes-a-getters-group-for-the-codes-own",
+        bug="migrate leaves a read through pg_collection = ProcessGroupCollection(tp=get_..._group()) as if tp "
+        "were the code's own group: a read it could rewrite stays",
+        file="pgregistry/migrate/_plan.py",
+        find='            and _callee_last_name(argument.value).startswith("get_")\n',
+        replace="            and False\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_read_through_a_local_collection_given_the_codes_own_group_stays",
+        ),
+    ),
+    Mutant(
         name="migrate-drops-a-reexported-import",
         bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
         "m import get_x, m.get_x, import *, __all__): that module's import fails",

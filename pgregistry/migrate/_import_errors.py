@@ -21,7 +21,7 @@ import libcst as cst
 
 from pgregistry.migrate._plan import bound_name, import_module_text
 
-__all__ = ["imports_kept_for_their_error", "in_tree", "with_noqa_marker"]
+__all__ = ["binds_any", "imports_kept_for_their_error", "in_tree", "with_noqa_marker"]
 
 #: The marker that tells linters (ruff, flake8) an unused import is meant.
 _NOQA = "# noqa: F401"
@@ -74,6 +74,17 @@ def _import_units(
         elif isinstance(small, cst.Import):
             units += [(alias.evaluated_name, bound_name(alias) in unused) for alias in small.names]
     return units
+
+
+def binds_any(statement: cst.SimpleStatementLine, names: AbstractSet[str]) -> bool:
+    """Whether ``statement``'s imports bind one of ``names`` (one left unused, in a ``try``)."""
+    return any(
+        bound_name(alias) in names
+        for small in statement.body
+        if isinstance(small, (cst.Import, cst.ImportFrom))
+        and not isinstance(small.names, cst.ImportStar)
+        for alias in small.names
+    )
 
 
 def imports_kept_for_their_error(

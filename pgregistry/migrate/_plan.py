@@ -226,6 +226,10 @@ class Function:
     #: The first top-level statement that calls a method of ``self`` (``self._build()``): one
     #: that may read an attribute the statements after it set.
     calls_self_at: int | None = None
+    #: Locals (or the parameter) assigned ``ProcessGroupCollection(...)`` -> the fields it is given
+    #: from something other than a getter's call (``tp=tp_group``; ``*``: positional or ``**``),
+    #: which need not be the global groups (:func:`_fields_given`).
+    given_fields: dict[str, set[str]] = field(default_factory=dict)
 
     @property
     def self_name(self) -> str | None:
@@ -588,6 +592,13 @@ class _Locator(cst.CSTVisitor):
 
     def _record_binding(self, target: cst.BaseExpression, value: cst.BaseExpression | None) -> None:
         function = self.current
+        if (
+            isinstance(target, cst.Name)
+            and function is not None
+            and isinstance(value, cst.Call)
+            and _callee_last_name(value) == "ProcessGroupCollection"
+        ):
+            function.given_fields.setdefault(target.value, set()).update(_fields_given(value))
         if (
             isinstance(target, cst.Name)
             and function is not None
@@ -1593,6 +1604,10 @@ def plan_file(
         if isinstance(found, str):
             read.way, read.reason = Way.LEFT, found
             continue
+        given_by_the_code = _given_field_read(function, found, read)
+        if given_by_the_code is not None:
+            read.way, read.reason = Way.LEFT, given_by_the_code
+            continue
         guarded = read.site.guarded or bool(read.given)
         root = _outermost_function(function)
         if (
@@ -2081,6 +2096,45 @@ def collection_mentions(name: str) -> re.Pattern[bytes]:
         rb"\w*"
         + re.escape(name.encode())
         + rb"|=[ \t]*[\w.]*\b(?:ProcessGroupCollection|use_mpu_process_groups)[ \t]*\("
+    )
+
+
+def _fields_given(construction: cst.Call) -> set[str]:
+    """The fields ``ProcessGroupCollection(...)`` is given other than by a getter's call.
+
+    ``tp=tp_group``, ``dp=None``: a group of the caller's, not known to be the global one; not
+    ``tp=parallel_state.get_tensor_model_parallel_group()``. ``*`` for a positional or ``**``
+    argument (any field)."""
+    given: set[str] = set()
+    for argument in construction.args:
+        if argument.keyword is None:
+            given.add("*")
+        elif not (
+            isinstance(argument.value, cst.Call)
+            and _callee_last_name(argument.value).startswith("get_")
+        ):
+            given.add(argument.keyword.value)
+    return given
+
+
+def _given_field_read(
+    function: Function, found: tuple[str, bool, bool] | None, read: Read
+) -> str | None:
+    """Why ``read`` stays where the collection ``found`` in scope was given its field by the code.
+
+    A local built as ``ProcessGroupCollection(tp=tp_group)`` above the read holds the caller's
+    group, which need not be the global one the read reads: through it, the read would read
+    another group where no collection was passed. None where it reads through it soundly."""
+    if found is None or read.choice is None:
+        return None
+    given = function.given_fields.get(found[0])
+    field = read.choice.field
+    uses = {field, "dp", "gtp_remat"} if field == GTP_REMAT_DP else {field}
+    if not given or not (uses & given or "*" in given):
+        return None
+    return (
+        f"{found[0]} is built as ProcessGroupCollection({field}=...) from the code's own group, "
+        "which need not be the global one the read reads"
     )
 
 

@@ -21,6 +21,7 @@ import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom, helper_aliases
 from pgregistry.migrate._import_errors import (
+    binds_any,
     imports_kept_for_their_error,
     in_tree,
     with_noqa_marker,
@@ -74,7 +75,8 @@ class _Prune(cst.CSTTransformer):
     (``except ImportError: HAVE_MCORE = False``) or the context manager (``suppress``) sees, so
     dropping it would change what the module computes where Megatron-Core is not installed. So
     does one that would fail there, where nothing else would fail first in its place
-    (:mod:`~pgregistry.migrate._import_errors`): it stays, marked ``# noqa: F401``."""
+    (:mod:`~pgregistry.migrate._import_errors`): it stays, marked ``# noqa: F401``, as a guarded
+    one binding a name the rewrite left unused is."""
 
     def __init__(self, unused: set[str], of_tree: Callable[[str], bool]) -> None:
         super().__init__()
@@ -123,8 +125,8 @@ class _Prune(cst.CSTTransformer):
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        if id(original) in self.kept_for_error:
-            return with_noqa_marker(original)
+        if id(original) in self.kept_for_error or self.guards and binds_any(original, self.unused):
+            return with_noqa_marker(original)  # kept though unused: linters are told
         if updated.body:
             return updated
         self.dropped[id(original)] = [

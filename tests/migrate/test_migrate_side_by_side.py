@@ -56,6 +56,12 @@ def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_ini
         return tp_group
     return "the expert tensor-parallel group" if is_expert else "the tensor-parallel group"
 """
+#: Megatron-Core's ``ProcessGroupCollection`` as the probes see it: the fields it is given, and no others.
+_STAND_IN_COLLECTION = """
+class ProcessGroupCollection:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+"""
 #: Run in each tree: each expression's value, or its exception's type and message (a failed import included).
 #: ``without``: Megatron-Core is not installed (the stand-in and the venv's real one hidden alike): importing any
 #: ``megatron`` module raises ``ModuleNotFoundError: No module named 'megatron'``, as it does there.
@@ -85,7 +91,8 @@ def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, st
     write_sources(stand_in, {"megatron/__init__.py": "", "megatron/core/__init__.py": "",
                              "megatron/core/parallel_state.py": _STAND_IN,
                              "megatron/core/utils.py": _STAND_IN_UTILS,
-                             "megatron/core/config.py": "class Config:\n    name = 'config'\n"})
+                             "megatron/core/config.py": "class Config:\n    name = 'config'\n",
+                             "megatron/core/process_groups_config.py": _STAND_IN_COLLECTION})
     path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
     completed = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(expressions), megatron],
@@ -650,3 +657,32 @@ def test_a_function_calling_vars_or_dir_alone_gets_no_parameter(tmp_path: Path) 
     assert seen == dict(zip(expressions, ["['hidden', 'rank']", "['size']", "['hidden', 'size']", "(['a'], 3)"],
                             strict=True)), seen
     assert "def of_an_object(*, pg_collection=None):" in (tmp_path / "migrated/pkg/frames.py").read_text()
+
+
+def test_a_read_through_a_local_collection_given_the_codes_own_group_stays(tmp_path: Path) -> None:
+    """``pgc = ProcessGroupCollection(tp=tp_group)`` above a read of the global tensor-parallel group: through the
+    local, the read answered the code's ``tp_group``, where no collection was passed and the original read the global
+    group (found by the fifth round of the audit, docs/reliability.md). A field the local is given from a getter's
+    call, or not given, is read through it (the helper falls back for one it lacks)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/local.py": """
+            from megatron.core import parallel_state as ps
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            def compare(tp_group):
+                pgc = ProcessGroupCollection(tp=tp_group)
+                return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), pgc.tp
+
+            def named(tp_group):
+                pg_collection = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), dp=tp_group)
+                return ps.get_tensor_model_parallel_group(), pg_collection.dp
+        """,
+    }
+    local = "__import__('pkg.local').local"
+    expressions = [f"{local}.compare('mine')", f"{local}.named('mine')"]
+    seen = _side_by_side(tmp_path, files, expressions, settings=("with",))
+    assert seen == dict(zip(expressions, ["('the tensor-parallel group', 4, 'mine')",
+                                          "('the tensor-parallel group', 'mine')"], strict=True)), seen
+    migrated = (tmp_path / "migrated/pkg/local.py").read_text()
+    assert 'pg_group(pg_collection, "tp")' in migrated and 'pg_size(pgc, "tp")' not in migrated, migrated
