@@ -1677,6 +1677,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-leaves-a-guarded-unused-import-unmarked",
+        bug="migrate keeps an import in a try that the rewrite left unused without # noqa: F401: ruff --select F "
+        "finds it unused (NeMo 3.0.0: four new findings)",
+        file="pgregistry/migrate/_rewrite.py",
+        find="if id(original) in self.kept_for_error or self.guards and binds_any(original, self.unused):",
+        replace="if id(original) in self.kept_for_error:",
+        tests=("tests/migrate/test_migrate_side_by_side.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
+    ),
+    Mutant(
         name="migrate-drops-a-reexported-import",
         bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
         "m import get_x, m.get_x, import *, __all__): that module's import fails",
