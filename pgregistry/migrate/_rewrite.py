@@ -140,8 +140,6 @@ class _Prune(cst.CSTTransformer):
         return _comments_kept(original, updated, self.dropped)
 
     def _drop_unused_aliases(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
-        if self.guards:
-            return list(names)
         kept = [alias for alias in names if bound_name(alias) not in self.unused]
         if kept and len(kept) < len(names):  # the last one's comma (a trailing one, or none)
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
