@@ -1539,8 +1539,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "module imports (the helper's own import of parallel_state is guarded), and a function that imported it "
         "inside returns where it raised ModuleNotFoundError",
         file="pgregistry/migrate/_rewrite.py",
-        find="        if id(original) in self.kept_for_error:\n            return with_noqa_marker(original)\n",
-        replace="",
+        find="if id(original) in self.kept_for_error or self.guards",
+        replace="if self.guards",
         tests=(
             "tests/migrate/test_migrate_side_by_side.py::"
             "test_an_import_that_fails_without_megatron_core_still_fails_where_it_did",
