@@ -1604,7 +1604,7 @@ def plan_file(
         if isinstance(found, str):
             read.way, read.reason = Way.LEFT, found
             continue
-        given_by_the_code = _given_field_read(function, found, read)
+        given_by_the_code = _why_a_given_field_stays(function, found, read)
         if given_by_the_code is not None:
             read.way, read.reason = Way.LEFT, given_by_the_code
             continue
@@ -2117,7 +2117,7 @@ def _fields_given(construction: cst.Call) -> set[str]:
     return given
 
 
-def _given_field_read(
+def _why_a_given_field_stays(
     function: Function, found: tuple[str, bool, bool] | None, read: Read
 ) -> str | None:
     """Why ``read`` stays where the collection ``found`` in scope was given its field by the code.
