@@ -36,6 +36,7 @@ __all__ = [
     "SpecCall",
     "TopLevel",
     "TreeIndex",
+    "calls_within",
     "functions_by_qualname",
     "read_file_facts",
     "resolve_dotted_name",
@@ -202,7 +203,7 @@ def _def_names(data: bytes) -> tuple[frozenset[bytes], dict[str, int]]:
     return frozenset(words), dict(lines)
 
 
-def _calls_within(node: ast.AST) -> Iterator[ast.Call]:
+def calls_within(node: ast.AST) -> Iterator[ast.Call]:
     """The calls in ``node`` (itself included): :func:`ast.walk` for calls only, in another order.
 
     Two fifths faster on megatron/core, where it is most of the facts' time."""
@@ -381,7 +382,7 @@ def _definitions_with_calls(
         else:
             continue
         for node, qualname, method, holds in members:
-            within = list(_calls_within(node))
+            within = list(calls_within(node))
             calls = frozenset(
                 target
                 for call in within

@@ -24,6 +24,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from pgregistry.migrate._facts import calls_within
+
 __all__ = ["TreeFacts", "learn_tree", "names_a_collection", "classify_uses"]
 
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's
@@ -345,8 +347,8 @@ def names_passed_the_keyword(contents: Mapping[str, bytes], collection: str) -> 
     names: set[str] = set()
     for data in contents.values():
         tree = _parse_or_none(data) if pattern.search(data) else None
-        for node in ast.walk(tree) if tree is not None else ():
-            if isinstance(node, ast.Call) and any(k.arg == collection for k in node.keywords):
+        for node in calls_within(tree) if tree is not None else ():
+            if any(k.arg == collection for k in node.keywords):
                 function = node.func
                 if isinstance(function, (ast.Name, ast.Attribute)):
                     names.add(function.id if isinstance(function, ast.Name) else function.attr)
