@@ -1686,6 +1686,18 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_side_by_side.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
     ),
     Mutant(
+        name="migrate-kept-import-noqa-misses-f401",
+        bug="migrate keeps an import for its error whose line says # noqa: E402 without adding F401: ruff --select F "
+        "finds it unused",
+        file="pgregistry/migrate/_import_errors.py",
+        find='    if codes is not None and "F401" not in codes.group().upper():\n',
+        replace="    if False:\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_that_fails_without_megatron_core_still_fails_where_it_did",
+        ),
+    ),
+    Mutant(
         name="migrate-drops-a-reexported-import",
         bug="migrate drops an import the rewrite left unused that another module imports from this one (from "
         "m import get_x, m.get_x, import *, __all__): that module's import fails",

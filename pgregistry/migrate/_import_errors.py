@@ -14,6 +14,7 @@ or of one of its modules) cannot be missing where the file is: it goes. Pure: no
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -120,10 +121,20 @@ def imports_kept_for_their_error(
     return stay | {at for at, _ in waiting}
 
 
+#: A ``noqa`` directive naming its codes (``noqa: E402`` after a ``#``), up to the last code.
+_NOQA_CODES = re.compile(r"#\s*noqa:\s*[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*", re.I)
+
+
 def _with_marker(comment: cst.Comment | None) -> cst.Comment:
-    """``comment`` with the marker added (kept as it is where it holds a ``noqa`` already)."""
+    """``comment`` with the marker added: after the codes of a ``noqa`` naming others (E402).
+
+    Kept as it is where it holds a bare ``# noqa`` or one naming F401 already."""
     if comment is None:
         return cst.Comment(_NOQA)
+    codes = _NOQA_CODES.search(comment.value)
+    if codes is not None and "F401" not in codes.group().upper():
+        end = codes.end()
+        return cst.Comment(f"{comment.value[:end]}, F401{comment.value[end:]}")
     if "noqa" in comment.value.lower():
         return comment
     return cst.Comment(f"{comment.value}  {_NOQA}")

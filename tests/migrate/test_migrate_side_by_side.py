@@ -501,7 +501,7 @@ def test_an_import_that_fails_without_megatron_core_still_fails_where_it_did(tmp
         """,
         "pkg/only_state.py": """
             import os
-            from megatron.core import parallel_state
+            from megatron.core import parallel_state  # noqa: E402
 
             def rank():
                 return parallel_state.get_tensor_model_parallel_rank()
@@ -538,6 +538,8 @@ def test_an_import_that_fails_without_megatron_core_still_fails_where_it_did(tmp
                             strict=True)), seen
     covered = (tmp_path / "migrated/pkg/covered.py").read_text()
     assert "parallel_state" not in covered, covered
+    only_state = (tmp_path / "migrated/pkg/only_state.py").read_text()  # the marker joins the codes there
+    assert "from megatron.core import parallel_state  # noqa: E402, F401\n" in only_state, only_state
 
 
 def test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter(tmp_path: Path) -> None:
