@@ -1450,7 +1450,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "above param_is_not_gtp_duplicate) gets no parameter, so no caller above can pass one (issue 40)",
         file="pgregistry/migrate/_engine.py",
         find="upward = thread_upward(\n"
-        "            index, contents, {**threaded, **methods}, packages, name, tree_facts.dropping\n        )",
+        "            index,\n            contents,\n            {**threaded, **methods},\n            packages,\n"
+        "            name,\n            tree_facts.dropping,\n            tree_facts.passed_the_keyword,\n        )",
         replace="upward = Upward()",
         tests=("tests/migrate/test_migrate_upward.py::test_read_less_callers_are_threaded_up_to_the_top",
                "tests/migrate/test_migrate_upward.py::test_a_collection_passed_at_the_top_reaches_the_read",
@@ -1569,9 +1570,173 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate drops an import of parallel_state in a try (or with) the rewrite left unused: the handler's "
         "flag (HAVE_MCORE = False) says Megatron-Core is there where it is not",
         file="pgregistry/migrate/_rewrite.py",
-        find="        if self.guards:\n            return list(names)\n",
+        find=" or self.guards and binds_any(original, self.unused)",
         replace="",
         tests=("tests/migrate/test_migrate_side_by_side.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
+    ),
+    Mutant(
+        name="migrate-drops-an-import-that-fails-without-megatron",
+        bug="migrate drops an unguarded import of Megatron-Core the rewrite left unused: without Megatron-Core the "
+        "module imports (the helper's own import of parallel_state is guarded), and a function that imported it "
+        "inside returns where it raised ModuleNotFoundError",
+        file="pgregistry/migrate/_rewrite.py",
+        find="if id(original) in self.kept_for_error or self.guards",
+        replace="if self.guards",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_that_fails_without_megatron_core_still_fails_where_it_did",
+        ),
+    ),
+    Mutant(
+        name="migrate-takes-any-import-for-one-failing-alike",
+        bug="migrate drops an import of Megatron-Core the rewrite left unused after any import that stays (import "
+        "os): without Megatron-Core the module imports where it failed",
+        file="pgregistry/migrate/_import_errors.py",
+        find="    return kept == package or kept.startswith(package + \".\")\n",
+        replace="    return True\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_that_fails_without_megatron_core_still_fails_where_it_did",
+        ),
+    ),
+    Mutant(
+        name="migrate-takes-the-keyword-out-of-kwargs",
+        bug="migrate gives def build(**kwargs) the keyword-only pg_collection though a call of the tree passes "
+        "pg_collection= into its kwargs: the parameter takes it out of them",
+        file="pgregistry/migrate/_plan.py",
+        find="if function.node.params.star_kwarg is not None and called_as in facts.passed_the_keyword:",
+        replace="if False:",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-upward-into-kwargs",
+        bug="migrate threads upward a read-less def f(**kwargs) whose callers pass pg_collection= into its "
+        "kwargs: the new parameter takes it out of them",
+        file="pgregistry/migrate/_upward.py",
+        find="        or (definition.takes_keywords and name in passed_the_keyword)\n",
+        replace="",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-forwards-the-keyword-out-of-kwargs",
+        bug="migrate makes a subclass __init__(self, x, **kwargs) forward pg_collection to its base though the "
+        "tree instantiates it passing pg_collection= into its kwargs",
+        file="pgregistry/migrate/_inherited.py",
+        find="cls.takes_keywords and cls.name in passed_the_keyword",
+        replace="False",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_function_taking_kwargs_that_a_caller_passes_the_keyword_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-trusts-a-collection-attribute-set-later",
+        bug="migrate reads self.pg_collection as set in every method where __init__ sets it only in a branch, "
+        "a setup method sets it, or __init__ calls a method first: AttributeError where the global state was read",
+        file="pgregistry/migrate/_plan.py",
+        find='if any(not a.method or a.method == "__init__" and a.early for a in assigned):',
+        replace="if True:",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr",
+        ),
+    ),
+    Mutant(
+        name="migrate-trusts-a-collection-attribute-set-in-a-block",
+        bug="migrate takes self.pg_collection assigned in a branch of __init__ for set below it: AttributeError "
+        "where the branch did not run",
+        file="pgregistry/migrate/_plan.py",
+        find="index = self.statement[-1] if self._at_the_top_of(function) else -1",
+        replace="index = self.statement[-1] if len(self.statement) == 2 else -1",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr",
+        ),
+    ),
+    Mutant(
+        name="migrate-trusts-a-collection-attribute-set-after-a-method-call",
+        bug="migrate takes self.pg_collection set by __init__ after it calls self.build() for set in build, which "
+        "then raises AttributeError",
+        file="pgregistry/migrate/_plan.py",
+        find="function.calls_self_at is None or function.calls_self_at > index",
+        replace="True",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-a-function-calling-vars",
+        bug="migrate gives a function that calls vars() or dir() without arguments the collection's parameter: "
+        "what they return (its locals) holds it too",
+        file="pgregistry/migrate/_plan.py",
+        find="            function.names.add(CALLS_LOCALS)  # reads the frame's locals, as locals() does\n",
+        replace="            pass\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::test_a_function_calling_vars_or_dir_alone_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-threads-upward-a-function-calling-vars",
+        bug="migrate threads upward a function that calls vars() without arguments: what it returns holds the "
+        "new parameter",
+        file="pgregistry/migrate/_facts.py",
+        find='        or function.id in ("vars", "dir")\n        and not call.args\n        and not call.keywords\n',
+        replace="",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::test_a_function_calling_vars_or_dir_alone_gets_no_parameter",
+        ),
+    ),
+    Mutant(
+        name="migrate-reads-the-codes-own-group-for-the-global",
+        bug="migrate rewrites get_tensor_model_parallel_group() below pgc = ProcessGroupCollection(tp=tp_group) "
+        "into a read of pgc: it answers the code's tp_group where the original read the global group",
+        file="pgregistry/migrate/_plan.py",
+        find='    if not given or not (uses & given or "*" in given):\n',
+        replace="    if True:\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_read_through_a_local_collection_given_the_codes_own_group_stays",
+        ),
+    ),
+    Mutant(
+        name="migrate-takes-a-getters-group-for-the-codes-own",
+        bug="migrate leaves a read through pg_collection = ProcessGroupCollection(tp=get_..._group()) as if tp "
+        "were the code's own group: a read it could rewrite stays",
+        file="pgregistry/migrate/_plan.py",
+        find='            and _callee_last_name(argument.value).startswith("get_")\n',
+        replace="            and False\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_read_through_a_local_collection_given_the_codes_own_group_stays",
+        ),
+    ),
+    Mutant(
+        name="migrate-leaves-a-guarded-unused-import-unmarked",
+        bug="migrate keeps an import in a try that the rewrite left unused without # noqa: F401: ruff --select F "
+        "finds it unused (NeMo 3.0.0: four new findings)",
+        file="pgregistry/migrate/_rewrite.py",
+        find="return with_noqa_marker(original)  # kept though unused: linters are told",
+        replace="return original if self.guards else with_noqa_marker(original)",
+        tests=("tests/migrate/test_migrate_side_by_side.py::test_an_import_in_a_try_whose_handler_sets_a_flag_stays",),
+    ),
+    Mutant(
+        name="migrate-kept-import-noqa-misses-f401",
+        bug="migrate keeps an import for its error whose line says # noqa: E402 without adding F401: ruff --select F "
+        "finds it unused",
+        file="pgregistry/migrate/_import_errors.py",
+        find='    if codes is not None and "F401" not in codes.group().upper():\n',
+        replace="    if False:\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_that_fails_without_megatron_core_still_fails_where_it_did",
+        ),
     ),
     Mutant(
         name="migrate-drops-a-reexported-import",

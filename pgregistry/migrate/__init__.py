@@ -31,7 +31,8 @@ them:
   fallback helper);
 - :mod:`~pgregistry.migrate._fallback_helper`: that helper, as written into a migrated tree;
 - :mod:`~pgregistry.migrate._helper_file`: its text for the code's release, and where it goes;
-- :mod:`~pgregistry.migrate._rewrite`: the libcst transformer, imports added and pruned;
+- :mod:`~pgregistry.migrate._rewrite`: the libcst transformer, imports added and pruned (those
+  that fail where their package is missing kept: :mod:`~pgregistry.migrate._import_errors`);
 - :mod:`~pgregistry.migrate._layout` and :mod:`~pgregistry.migrate._style`: lines kept to the tree's
   length;
 - :mod:`~pgregistry.migrate._writing`: checked, atomic writes; :mod:`~pgregistry.migrate._diff`: a

@@ -554,7 +554,7 @@ class _Worker:
         assert plan.data is not None
         data = plan.data
         try:
-            text = apply_rewrites(plan, self.idiom, self.width, reached)
+            text = apply_rewrites(plan, self.idiom, self.width, reached, self.facts.modules)
             after = text.encode(plan.wrapper.module.encoding) if text is not None else data
         except Exception as error:  # a bug of this tool: refuse the run rather than write a mix
             return _internal_error(plan.path, error)
@@ -735,14 +735,22 @@ def _run_migration(
         packages = {p: d for p, d in contents.items() if p.endswith("__init__.py")}
         methods = {key: value for first in firsts for key, value in first.methods.items()}
         upward = thread_upward(
-            index, contents, {**threaded, **methods}, packages, name, tree_facts.dropping
+            index,
+            contents,
+            {**threaded, **methods},
+            packages,
+            name,
+            tree_facts.dropping,
+            tree_facts.passed_the_keyword,
         )
         threaded.update({key: name for key in upward.functions if "." not in key[1]})
         # A class is called as a function is: its instantiations pass the collection to its threaded
         # __init__, and those of the subclasses that inherit that __init__ unchanged or forward to
         # it through ``super().__init__`` (given the parameter).
         classes = {key: value for first in firsts for key, value in first.classes.items()}
-        subclasses = thread_subclasses(index, classes, packages, name)
+        subclasses = thread_subclasses(
+            index, classes, packages, name, tree_facts.passed_the_keyword
+        )
         threaded.update(subclasses.classes)
         threaded.update(add_reexported_names(threaded, packages))
         # A class a spec names is built as ``submodules.X(...)``: passed where every class of X

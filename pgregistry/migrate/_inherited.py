@@ -52,13 +52,16 @@ def thread_subclasses(
     threaded: Mapping[Key, str],
     packages: Mapping[str, bytes],
     keyword: str,
+    passed_the_keyword: frozenset[str] = frozenset(),
 ) -> Subclasses:
     """``threaded`` with the tree's classes that inherit one of its ``__init__``s or forward to it.
 
     ``threaded``: classes whose own ``__init__`` takes ``keyword`` ((module, class) -> keyword).
     Added are the module-level classes of the tree (``index``: its files' facts) that inherit one of
     those ``__init__``s unchanged or forward to it (given the parameter); ``packages``: the
-    ``__init__.py`` files, through which a base may be named."""
+    ``__init__.py`` files, through which a base may be named. An ``__init__`` that takes
+    ``**kwargs`` does not forward where the tree instantiates its class passing the keyword itself
+    (``passed_the_keyword``): the keyword went into them."""
     found = dict(threaded)
     forwarding: set[Key] = set()
     changed = True
@@ -71,7 +74,10 @@ def thread_subclasses(
         for facts in index.naming_on_a_class_line(names):
             classes = {c.name for c in facts.classes}
             for cls in facts.classes:
-                if (facts.module, cls.name) in found or not (cls.inherits or cls.forwards):
+                forwards = cls.forwards and not (
+                    cls.takes_keywords and cls.name in passed_the_keyword
+                )
+                if (facts.module, cls.name) in found or not (cls.inherits or forwards):
                     continue
                 base = (
                     resolve_dotted_name(cls.first_base, facts.module, facts.bound, classes)

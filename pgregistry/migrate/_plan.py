@@ -35,6 +35,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import libcst as cst
 from libcst.helpers import get_full_name_for_node_or_raise
@@ -139,9 +140,14 @@ FIXED_SIGNATURE = (
 )
 COMPILERS = ("jit", "script", "compile", "fuser")
 #: A function that names it (``locals()``, ``dict(locals())``: a config captured from the
-#: arguments) would return the collection's parameter too: it gets none.
+#: arguments) would return the collection's parameter too: it gets none. So would ``vars()`` and
+#: ``dir()`` called without arguments (:data:`FRAME_READERS`), which count as naming it.
 CALLS_LOCALS = "locals"
-LOCALS_REASON = "calls locals(), which would return the new parameter too"
+FRAME_READERS = frozenset({"vars", "dir"})
+LOCALS_REASON = (
+    "calls locals() (or vars() or dir() without arguments), "
+    "which would return the new parameter too"
+)
 #: What an autograd Function's subclass defines for torch to call (``.apply`` passes positional
 #: arguments only).
 CALLED_BY_AUTOGRAD = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
@@ -217,6 +223,13 @@ class Function:
     top: int = 0
     #: Index in the body of the module-level class holding it (-1: not in one).
     member: int = -1
+    #: The first top-level statement that calls a method of ``self`` (``self._build()``): one
+    #: that may read an attribute the statements after it set.
+    calls_self_at: int | None = None
+    #: Locals (or the parameter) assigned ``ProcessGroupCollection(...)`` -> the fields it is given
+    #: from something other than a getter's call (``tp=tp_group``; ``*``: positional or ``**``),
+    #: which need not be the global groups (:func:`_fields_given`).
+    given_fields: dict[str, set[str]] = field(default_factory=dict)
 
     @property
     def self_name(self) -> str | None:
@@ -228,6 +241,19 @@ class Function:
         ):
             return None
         return params[0].name.value
+
+
+class Assigned(NamedTuple):
+    """A collection a class assigns to ``self.<attribute>`` in ``method``, or declares in its body.
+
+    ``statement``: the method's top-level simple statement that assigns it (-1: in a block, or
+    declared in the body, ``method`` empty); ``early``: whether it is above any call of a method of
+    ``self`` there (which may read it before it is set), a declaration always."""
+
+    attribute: str
+    method: str
+    statement: int
+    early: bool
 
 
 @dataclass(eq=False)
@@ -283,7 +309,7 @@ class FilePlan:
     calls: list[Call]
     bindings: dict[str, str]
     top_level: dict[str, str]
-    attributes: dict[int, list[tuple[str, str, int]]]
+    attributes: dict[int, list[Assigned]]
     alone: set[int]
     #: Calls that pass a threaded function its collection: call node -> (keyword, value expression).
     passes: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -403,7 +429,7 @@ class _Locator(cst.CSTVisitor):
         #: class node -> (attribute, method name, statement index) of each ``self.<attribute> =
         #: ...`` that holds a collection (:func:`_holds_a_collection`); a declaration in the class
         #: body has no method (index -1).
-        self.attributes: dict[int, list[tuple[str, str, int]]] = {}
+        self.attributes: dict[int, list[Assigned]] = {}
         self.bindings: dict[str, str] = {}
         self.top_level: dict[str, str] = {}
         #: The calls that stand alone (a statement's value, a test, an argument): a comparison put
@@ -569,6 +595,13 @@ class _Locator(cst.CSTVisitor):
         if (
             isinstance(target, cst.Name)
             and function is not None
+            and isinstance(value, cst.Call)
+            and _callee_last_name(value) == "ProcessGroupCollection"
+        ):
+            function.given_fields.setdefault(target.value, set()).update(_fields_given(value))
+        if (
+            isinstance(target, cst.Name)
+            and function is not None
             and target.value != self.name
             and _holds_a_collection(target.value, value, self.name)
         ):
@@ -607,9 +640,14 @@ class _Locator(cst.CSTVisitor):
             and function.method_of is not None
             and target.value.value == function.self_name
         ):
-            index = self.statement[-1] if len(self.statement) == 2 else -1
+            # Where every later statement finds it set: a top-level simple statement (-1: in a
+            # block); early: above any call of a method of self, which may read it.
+            index = self.statement[-1] if self._at_the_top_of(function) else -1
+            early = index >= 0 and (
+                function.calls_self_at is None or function.calls_self_at > index
+            )
             self.attributes[id(function.method_of)].append(
-                (target.attr.value, function.node.name.value, index)
+                Assigned(target.attr.value, function.node.name.value, index, early)
             )
         if (  # a field declared in the class body (a dataclass's ``_pg_collection: ... = None``)
             isinstance(target, cst.Name)
@@ -618,7 +656,7 @@ class _Locator(cst.CSTVisitor):
             and self.classes
             and _holds_a_collection(target.value, value, self.name)
         ):
-            self.attributes[id(self.classes[-1])].append((target.value, "", -1))
+            self.attributes[id(self.classes[-1])].append(Assigned(target.value, "", -1, True))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         self._mark_alone(node.value)
@@ -661,6 +699,23 @@ class _Locator(cst.CSTVisitor):
         self._mark_alone(node.test)
 
     def visit_Call(self, node: cst.Call) -> None:
+        function = self.current
+        if (
+            function is not None
+            and isinstance(node.func, cst.Name)
+            and node.func.value in FRAME_READERS
+            and not node.args
+        ):
+            function.names.add(CALLS_LOCALS)  # reads the frame's locals, as locals() does
+        if (
+            function is not None
+            and function.calls_self_at is None
+            and len(self.statement) == 2
+            and isinstance(node.func, cst.Attribute)
+            and isinstance(node.func.value, cst.Name)
+            and node.func.value.value == function.self_name
+        ):
+            function.calls_self_at = self.statement[-1]
         site = None
         located = self.positions.get(self.top)
         unit = (self.top, self.member if self.top in self.members else -1)
@@ -1036,7 +1091,7 @@ def _fills_a_field(function: Function, read: Read, name: str) -> bool:
 def _collection_in_scope(
     function: Function,
     statement: int,
-    attributes: Mapping[int, list[tuple[str, str, int]]],
+    attributes: Mapping[int, list[Assigned]],
     name: str,
     collections: frozenset[str] = frozenset(),
 ) -> tuple[str, bool, bool] | str | None:
@@ -1078,16 +1133,23 @@ def _collection_in_scope(
     self_name = function.self_name
     if self_name is not None and function.method_of is not None:
         own = function.node.name.value
-        held: dict[str, list[tuple[str, int]]] = {}
-        for attribute, method, index in attributes.get(id(function.method_of), []):
-            held.setdefault(attribute, []).append((method, index))
+        held: dict[str, list[Assigned]] = {}
+        for found in attributes.get(id(function.method_of), []):
+            held.setdefault(found.attribute, []).append(found)
         for attribute in sorted(held, key=lambda a: (a != name, a)):
             assigned = held[attribute]
             before = any(
-                not method or method == own and 0 <= index < statement for method, index in assigned
+                not a.method or a.method == own and 0 <= a.statement < statement for a in assigned
             )
-            if before or own != "__init__" and any(method != own for method, _ in assigned):
+            if before:
                 return f"{self_name}.{attribute}", attribute != name, attribute != name
+            if own != "__init__" and any(a.method != own for a in assigned):
+                # Set by __init__ above anything that could call this method, or declared in the
+                # class body: read as it is; else it may not be set yet (a branch, a setup method
+                # not called yet, a method __init__ calls first): read with getattr, None then.
+                if any(not a.method or a.method == "__init__" and a.early for a in assigned):
+                    return f"{self_name}.{attribute}", attribute != name, attribute != name
+                return f'getattr({self_name}, "{attribute}", None)', True, True
     parameters = _parameter_names(function)
     for expression in sorted(collections):
         head, *attributes_of = expression.split(".")
@@ -1140,7 +1202,7 @@ def _names_between(function: Function, root: Function) -> set[str]:
 def _enclosing_collection(
     function: Function,
     root: Function,
-    attributes: Mapping[int, list[tuple[str, str, int]]],
+    attributes: Mapping[int, list[Assigned]],
     name: str,
     collections: frozenset[str],
 ) -> tuple[str, bool, bool] | str | None:
@@ -1280,6 +1342,12 @@ def _cannot_thread(
     if CALLS_LOCALS in function.names:
         return LOCALS_REASON
     method_of = function.method_of
+    called_as = method_of.name.value if method_of is not None and name == "__init__" else name
+    if function.node.params.star_kwarg is not None and called_as in facts.passed_the_keyword:
+        return (
+            f"takes **kwargs, and a call of {called_as} in the tree passes the collection's "
+            "keyword into them: a new parameter would take it from them"
+        )
     if (
         method_of is not None
         and name in CALLED_BY_AUTOGRAD
@@ -1535,6 +1603,10 @@ def plan_file(
             continue
         if isinstance(found, str):
             read.way, read.reason = Way.LEFT, found
+            continue
+        given_by_the_code = _why_a_given_field_stays(function, found, read)
+        if given_by_the_code is not None:
+            read.way, read.reason = Way.LEFT, given_by_the_code
             continue
         guarded = read.site.guarded or bool(read.given)
         root = _outermost_function(function)
@@ -2024,6 +2096,45 @@ def collection_mentions(name: str) -> re.Pattern[bytes]:
         rb"\w*"
         + re.escape(name.encode())
         + rb"|=[ \t]*[\w.]*\b(?:ProcessGroupCollection|use_mpu_process_groups)[ \t]*\("
+    )
+
+
+def _fields_given(construction: cst.Call) -> set[str]:
+    """The fields ``ProcessGroupCollection(...)`` is given other than by a getter's call.
+
+    ``tp=tp_group``, ``dp=None``: a group of the caller's, not known to be the global one; not
+    ``tp=parallel_state.get_tensor_model_parallel_group()``. ``*`` for a positional or ``**``
+    argument (any field)."""
+    given: set[str] = set()
+    for argument in construction.args:
+        if argument.keyword is None:
+            given.add("*")
+        elif not (
+            isinstance(argument.value, cst.Call)
+            and _callee_last_name(argument.value).startswith("get_")
+        ):
+            given.add(argument.keyword.value)
+    return given
+
+
+def _why_a_given_field_stays(
+    function: Function, found: tuple[str, bool, bool] | None, read: Read
+) -> str | None:
+    """Why ``read`` stays where the collection ``found`` in scope was given its field by the code.
+
+    A local built as ``ProcessGroupCollection(tp=tp_group)`` above the read holds the caller's
+    group, which need not be the global one the read reads: through it, the read would read
+    another group where no collection was passed. None where it reads through it soundly."""
+    if found is None or read.choice is None:
+        return None
+    given = function.given_fields.get(found[0])
+    field = read.choice.field
+    uses = {field, "dp", "gtp_remat"} if field == GTP_REMAT_DP else {field}
+    if not given or not (uses & given or "*" in given):
+        return None
+    return (
+        f"{found[0]} is built as ProcessGroupCollection({field}=...) from the code's own group, "
+        "which need not be the global one the read reads"
     )
 
 

@@ -13,13 +13,19 @@ from __future__ import annotations
 import ast
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 import libcst as cst
 
 from pgregistry.migrate._idioms import Idiom, helper_aliases
+from pgregistry.migrate._import_errors import (
+    binds_any,
+    imports_kept_for_their_error,
+    in_tree,
+    with_noqa_marker,
+)
 from pgregistry.migrate._layout import (
     split_argument_line,
     split_arguments,
@@ -67,11 +73,17 @@ class _Prune(cst.CSTTransformer):
 
     An import inside a ``try`` or ``with`` statement stays: whether it fails is what the handler
     (``except ImportError: HAVE_MCORE = False``) or the context manager (``suppress``) sees, so
-    dropping it would change what the module computes where Megatron-Core is not installed."""
+    dropping it would change what the module computes where Megatron-Core is not installed. So
+    does one that would fail there, where nothing else would fail first in its place
+    (:mod:`~pgregistry.migrate._import_errors`): it stays, marked ``# noqa: F401``, as a guarded
+    one binding a name the rewrite left unused is."""
 
-    def __init__(self, unused: set[str]) -> None:
+    def __init__(self, unused: set[str], of_tree: Callable[[str], bool]) -> None:
         super().__init__()
         self.unused = unused
+        self.of_tree = of_tree
+        #: The import statements (ids) kept for the error they raise where their package is missing.
+        self.kept_for_error: set[int] = set()
         #: A statement dropped (by id of the original node) -> the comment lines above it.
         self.dropped: dict[int, list[cst.EmptyLine]] = {}
         #: How many ``try`` / ``with`` statements hold the node visited.
@@ -101,9 +113,20 @@ class _Prune(cst.CSTTransformer):
         self.guards -= 1
         return updated
 
+    def keep_failing_imports(self, block: Sequence[cst.CSTNode]) -> None:
+        """Mark the imports of ``block`` that stay for their error (outside ``try`` / ``with``)."""
+        if not self.guards:
+            self.kept_for_error |= imports_kept_for_their_error(block, self.unused, self.of_tree)
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
+        self.keep_failing_imports(node.body)
+        return True
+
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        if id(original) in self.kept_for_error or self.guards and binds_any(original, self.unused):
+            return with_noqa_marker(original)  # kept though unused: linters are told
         if updated.body:
             return updated
         self.dropped[id(original)] = [
@@ -117,8 +140,6 @@ class _Prune(cst.CSTTransformer):
         return _comments_kept(original, updated, self.dropped)
 
     def _drop_unused_aliases(self, names: Sequence[cst.ImportAlias]) -> list[cst.ImportAlias]:
-        if self.guards:
-            return list(names)
         kept = [alias for alias in names if bound_name(alias) not in self.unused]
         if kept and len(kept) < len(names):  # the last one's comma (a trailing one, or none)
             kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
@@ -727,12 +748,14 @@ def apply_rewrites(
     target: Idiom,
     width: int = DEFAULT_WIDTH,
     reached: AbstractSet[str] = frozenset(),
+    modules: AbstractSet[str] = frozenset(),
 ) -> str | None:
     """The source of ``plan``'s file with its planned rewrites applied; None when none is planned.
 
     ``width``: the tree's line length (:mod:`~pgregistry.migrate._style`). ``reached``: the names of
     the file's module that other code reaches (``from m import x`` in another file, ``__all__``;
-    ``*``: every public name, for ``from m import *``): an import binding one stays."""
+    ``*``: every public name, for ``from m import *``): an import binding one stays. ``modules``:
+    the migrated tree's modules, whose imports cannot fail for a package that is not installed."""
     module = plan.wrapper.module
     data = plan.data if plan.data is not None else module.bytes
     # A helper's name the file binds itself is shadowed by it, or shadows it: called by another.
@@ -772,7 +795,8 @@ def apply_rewrites(
     # An import the rewrite left unused is at module level, in a module-level block (``if
     # TYPE_CHECKING:``, ``try:``) or in a statement the rewrite changed, and its old text says
     # ``import``: only those are walked.
-    prune = _Prune(unused)
+    prune = _Prune(unused, lambda imported: in_tree(imported, modules))
+    prune.keep_failing_imports(changed.body)
     index = {id(s): i for i, s in enumerate(body)}
 
     def may_import(statement: cst.CSTNode) -> bool:

@@ -24,6 +24,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from pgregistry.migrate._facts import calls_within
+
 __all__ = ["TreeFacts", "learn_tree", "names_a_collection", "classify_uses"]
 
 #: Where a dotted name is assigned: ``a.b.c =`` or ``a.b.c: T =`` (not ``==``), and the value's
@@ -75,6 +77,10 @@ class TreeFacts:
     #: The names of the tree's decorators whose wrapper takes no ``**kwargs``
     #: (:func:`keyword_dropping_decorators`).
     dropping: frozenset[str] = frozenset()
+    #: The names the tree calls passing the collection's keyword itself (``f(x, pg_collection=c)``,
+    #: ``obj.m(pg_collection=c)``; :func:`names_passed_the_keyword`): a function of such a name
+    #: that takes ``**kwargs`` gets it there, where a new parameter would take it.
+    passed_the_keyword: frozenset[str] = frozenset()
 
     def ties_class(self, chain: str, cls: str) -> bool:
         """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``.
@@ -325,6 +331,30 @@ def classify_uses(
     return called, values - called, hooks
 
 
+def _keyword_pattern(collection: str) -> re.Pattern[bytes]:
+    """A keyword argument, or a default, of name ``collection``: ``pg_collection=``.
+
+    Not ``==``, nor an attribute's ``self.pg_collection =``."""
+    return re.compile(rb"(?<![.\w])" + re.escape(collection.encode()) + rb"[ \t]*=(?!=)")
+
+
+def names_passed_the_keyword(contents: Mapping[str, bytes], collection: str) -> frozenset[str]:
+    """The names the tree ``contents`` calls passing keyword ``collection`` itself.
+
+    A call's last name (``f`` of ``f(...)`` and of ``obj.f(...)``), read with :mod:`ast` from the
+    files whose text holds ``collection=``."""
+    pattern = _keyword_pattern(collection)
+    names: set[str] = set()
+    for data in contents.values():
+        tree = _parse_or_none(data) if pattern.search(data) else None
+        for node in calls_within(tree) if tree is not None else ():
+            if any(k.arg == collection for k in node.keywords):
+                function = node.func
+                if isinstance(function, (ast.Name, ast.Attribute)):
+                    names.add(function.id if isinstance(function, ast.Name) else function.attr)
+    return frozenset(names)
+
+
 #: A decorator line's dotted name.
 _DECORATOR = re.compile(rb"^[ \t]*@[ \t]*([A-Za-z_][\w.]*)", re.M)
 _FUNCTION_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -455,4 +485,5 @@ def learn_tree(
         ties=frozenset(ties),
         bases=frozenset(bases),
         dropping=keyword_dropping_decorators(contents),
+        passed_the_keyword=names_passed_the_keyword(contents, collection),
     )

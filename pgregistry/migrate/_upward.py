@@ -60,12 +60,16 @@ class Upward:
 
 
 def _may_be_threaded(
-    definition: DefinitionFacts, binds_keyword: bool, dropping: frozenset[str]
+    definition: DefinitionFacts,
+    binds_keyword: bool,
+    dropping: frozenset[str],
+    passed_the_keyword: frozenset[str],
 ) -> bool:
     """Whether ``definition`` may be given the parameter: see the module's docstring.
 
     In a module that ``binds_keyword`` at its top level, none may; nor a function decorated with
-    one of ``dropping``, whose wrapper takes no ``**kwargs``."""
+    one of ``dropping``, whose wrapper takes no ``**kwargs``; nor one taking ``**kwargs`` whose name
+    the tree calls passing the keyword itself (``passed_the_keyword``): it goes into them."""
     name = definition.name
     special = name.startswith("__") and name.endswith("__")
     return not (
@@ -75,6 +79,7 @@ def _may_be_threaded(
         or not dropping.isdisjoint(definition.decorators)
         or definition.names_keyword
         or definition.calls_locals
+        or (definition.takes_keywords and name in passed_the_keyword)
         or (definition.method and name in CALLED_BY_AUTOGRAD)
     )
 
@@ -97,13 +102,16 @@ def thread_upward(
     packages: Mapping[str, bytes],
     name: str,
     dropping: frozenset[str] = frozenset(),
+    passed_the_keyword: frozenset[str] = frozenset(),
 ) -> Upward:
     """Which read-less functions of the tree get the parameter ``name``.
 
     ``index``: the tree's files' facts; ``contents``: path -> bytes. ``threaded``: the functions and
     methods threaded because they read ((module, qualified name) -> keyword); ``packages``: the
     ``__init__.py`` files, through which packages re-export functions; ``dropping``: the tree's
-    decorators whose wrapper takes no ``**kwargs`` (:func:`._tree.keyword_dropping_decorators`)."""
+    decorators whose wrapper takes no ``**kwargs`` (:func:`._tree.keyword_dropping_decorators`);
+    ``passed_the_keyword``: the names the tree calls passing the keyword itself
+    (:func:`._tree.names_passed_the_keyword`)."""
     seeds = dict(threaded)
     known = {qualname.rpartition(".")[2] for _, qualname in seeds}
     definitions: dict[Key, DefinitionFacts] = {}
@@ -122,7 +130,7 @@ def thread_upward(
             eligible.update(
                 d
                 for d in facts.definitions
-                if _may_be_threaded(d, facts.binds_keyword, dropping)
+                if _may_be_threaded(d, facts.binds_keyword, dropping, passed_the_keyword)
                 and d.key[1].partition(".")[0] not in facts.rebound
             )
         for definition in read:

@@ -19,6 +19,9 @@ from pgregistry._source.config import PRESETS  # noqa: E402
 from pgregistry.migrate._engine import Migration, migrate  # noqa: E402
 
 HEAD = "from megatron.core import parallel_state as ps\n"
+#: ``HEAD`` once the rewrite reads nothing through it: it stays, since without Megatron-Core it is where the module
+#: fails to import (the helper's own import of parallel_state is guarded), marked for linters.
+HEAD_KEPT = "from megatron.core import parallel_state as ps  # noqa: F401\n"
 
 
 def helper(*names: str) -> str:
@@ -49,7 +52,7 @@ def test_a_required_parameter_is_read_directly(tmp_path: Path) -> None:
 def f(x, pg_collection):
     return ps.get_tensor_model_parallel_group(), ps.get_context_parallel_world_size()
 """
-    assert after(tmp_path, source) == helper("pg_group", "pg_size") + """
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_group", "pg_size") + """
 def f(x, pg_collection):
     return pg_group(pg_collection, "tp"), pg_size(pg_collection, "cp")
 """
@@ -62,7 +65,7 @@ def f(x, pg_collection=None):
     # the reduction
     return ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
 '''
-    assert after(tmp_path, source) == helper("pg_group") + '''
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_group") + '''
 def f(x, pg_collection=None):
     """Doc."""
     # the reduction
@@ -83,7 +86,7 @@ def is_not_duplicate(param, tp_group=None):
     # Fallback to legacy global state.
     return ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_world_size() == 1
 '''
-    assert after(tmp_path, source) == helper("pg_rank", "pg_size") + '''
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_rank", "pg_size") + '''
 def is_not_duplicate(param, tp_group=None, *, pg_collection=None):
     """Doc."""
     if getattr(param, "tensor_model_parallel", False):
@@ -150,7 +153,7 @@ class Layer:
             return x
         return ps.get_expert_model_parallel_group()
 """
-    assert after(tmp_path, source) == helper("pg_group", "pg_read", "pg_size") + """
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_group", "pg_read", "pg_size") + """
 class Layer:
     def __init__(self, collection):
         self.pg_collection = collection
@@ -186,7 +189,7 @@ def wrapped(x, **kwargs):
 """
     migration = run(tmp_path, {"lib.py": library, "user.py": user})
     texts = {change.path: change.after.decode() for change in migration.changes}
-    assert texts["lib.py"] == helper("pg_rank", "pg_size") + """
+    assert texts["lib.py"] == HEAD_KEPT + helper("pg_rank", "pg_size") + """
 def shard(x, *args, pg_collection=None, **kwargs):
     return pg_rank(pg_collection, "tp")
 
@@ -328,7 +331,7 @@ def test_a_pg_collection_of_another_meaning_is_not_reused(tmp_path: Path) -> Non
 def f(pg_collection: str):
     return pg_collection, ps.get_data_parallel_group(with_gtp_remat=False)
 """
-    assert after(tmp_path, source) == helper("pg_group") + """
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_group") + """
 def f(pg_collection: str, *, process_group_collection=None):
     return pg_collection, pg_group(process_group_collection, "dp")
 """
@@ -345,7 +348,7 @@ def f(
     return (x,
             y,   group)
 """
-    assert after(tmp_path, source) == helper("pg_group") + """
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_group") + """
 def f(
     x,  # the input
     y,
@@ -389,9 +392,11 @@ class L:
         '                    else pg_read(pg_collection, "tp", "group_if_none")\n                )\n'
         '            )\n        )(tp_group, self.is_expert)\n' in text
     )
-    # the imports the reads needed go, the helper's comes in their place, and no noqa marker is added
-    assert text.startswith("\nfrom _process_group_fallback import pg_group, pg_read\n\ndef f(")
-    assert "noqa" not in text
+    # the imports the reads needed go but the first, where the module fails without Megatron-Core (kept, marked for
+    # linters: the second would fail there too, so it goes); the helper's comes after it
+    assert text.startswith(
+        "\nfrom megatron.core import parallel_state  # noqa: F401\n"
+        "from _process_group_fallback import pg_group, pg_read\n\ndef f(")
 
 
 def test_an_import_the_rewrite_leaves_unused_goes_and_the_helpers_comes_among_its_peers(tmp_path: Path) -> None:
@@ -522,7 +527,7 @@ def f(pg_collection):
 def g():
     return ps.get_data_parallel_world_size(with_gtp_remat=False)
 """
-    assert after(tmp_path, source, target="pgregistry") == """\
+    assert after(tmp_path, source, target="pgregistry") == HEAD_KEPT + """\
 from pgregistry.doors import pg_rank, pg_read, pg_size
 
 def f(pg_collection):
@@ -555,7 +560,7 @@ def f(pg_collection):
 """
     assert after(tmp_path, source) == source.replace(
         "from _process_group_fallback import pg_rank\nfrom megatron.core import parallel_state as ps\n",
-        "from _process_group_fallback import pg_group, pg_rank\n").replace(
+        "from _process_group_fallback import pg_group, pg_rank\n" + HEAD_KEPT).replace(
         "ps.get_tensor_model_parallel_group()", 'pg_group(pg_collection, "tp")')
 
 
@@ -579,7 +584,7 @@ def test_a_read_after_non_ascii_text_on_its_line_is_located(tmp_path: Path) -> N
 def f(pg_collection):
     return "né", ps.get_tensor_model_parallel_group()
 """
-    assert after(tmp_path, source) == helper("pg_group") + """
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_group") + """
 def f(pg_collection):
     return "né", pg_group(pg_collection, "tp")
 """
@@ -693,7 +698,7 @@ def f(pg_collection):
     print(f'next {ps.get_pipeline_model_parallel_next_rank()}')
     return f"""{ps.get_context_parallel_rank()}"""
 '''
-    assert after(tmp_path, source) == helper("pg_rank", "pg_read", "pg_size") + '''
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_rank", "pg_read", "pg_size") + '''
 def f(pg_collection):
     print(f"size {pg_size(pg_collection, 'tp')}")
     print(f'next {pg_read(pg_collection, "pp", "next_rank")}')
@@ -703,22 +708,25 @@ def f(pg_collection):
 
 def test_the_comments_above_a_local_import_the_rewrite_removes_stay(tmp_path: Path) -> None:
     # Megatron-Bridge's gpt_builder.modelopt_transformer_layer_spec: the comments above its local import of
-    # parallel_state say what the code below does; the import goes, the comments stay.
+    # parallel_state say what the code below does; the import goes (the import of megatron.core after it fails first
+    # without Megatron-Core), the comments stay.
     source = '''import os
 
 def spec(config, pg_collection):
     """Doc."""
     # When context parallel > 1, only causal masks
     from megatron.core import parallel_state
+    from megatron.core.models.gpt import get_spec
 
-    return config.mask if config.mask is not None else parallel_state.get_context_parallel_world_size() == 1
+    return get_spec(config.mask if config.mask is not None else parallel_state.get_context_parallel_world_size() == 1)
 '''
     assert after(tmp_path, source) == "import os\n" + helper("pg_size") + '''
 def spec(config, pg_collection):
     """Doc."""
     # When context parallel > 1, only causal masks
+    from megatron.core.models.gpt import get_spec
 
-    return config.mask if config.mask is not None else pg_size(pg_collection, "cp") == 1
+    return get_spec(config.mask if config.mask is not None else pg_size(pg_collection, "cp") == 1)
 '''
 
 
@@ -730,7 +738,7 @@ def f(pg_collection):
     rank = ps.get_model_parallel_group().rank()
     return ps.get_data_parallel_group(with_context_parallel=True).size() > rank
 '''
-    assert after(tmp_path, source) == helper("pg_group") + '''
+    assert after(tmp_path, source) == HEAD_KEPT + helper("pg_group") + '''
 def f(pg_collection):
     rank = pg_group(pg_collection, "mp").rank()
     return pg_group(pg_collection, "dp_cp_gtp_remat").size() > rank
@@ -751,7 +759,8 @@ def f(heads, threshold, process_groups_of_the_whole_model):
     if ps.get_tensor_model_parallel_rank():
         return 4
 '''
-    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_rank", "pg_size") + '''
+    rewritten = after(tmp_path, source, name="process_groups_of_the_whole_model")
+    assert rewritten == HEAD_KEPT + helper("pg_rank", "pg_size") + '''
 def f(heads, threshold, process_groups_of_the_whole_model):
     if (
         heads
@@ -782,7 +791,7 @@ def f(process_groups_of_the_whole_model):
     sharding_factor_of_the_packed_sequence = ps.get_context_parallel_world_size() * 2 + 10000000
     return sharding_factor_of_the_packed_sequence
 '''
-    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_size") + '''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == HEAD_KEPT + helper("pg_size") + '''
 def f(process_groups_of_the_whole_model):
     sharding_factor_of_the_packed_sequence = (
         pg_size(process_groups_of_the_whole_model, "cp") * 2 + 10000000
@@ -797,7 +806,7 @@ def test_an_assert_the_rewrite_made_too_long_is_split_as_black_splits_it(tmp_pat
 def f(original_length_of_the_batch, process_groups_of_the_whole_model):
     assert original_length_of_the_batch % (ps.get_context_parallel_world_size() * 2) == 0 + 10000
 '''
-    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == helper("pg_size") + '''
+    assert after(tmp_path, source, name="process_groups_of_the_whole_model") == HEAD_KEPT + helper("pg_size") + '''
 def f(original_length_of_the_batch, process_groups_of_the_whole_model):
     assert (
         original_length_of_the_batch % (pg_size(process_groups_of_the_whole_model, "cp") * 2)
@@ -807,6 +816,8 @@ def f(original_length_of_the_batch, process_groups_of_the_whole_model):
 
 
 SHIM = "from megatron.core.process_groups_config import ProcessGroupCollection\n"
+#: ``SHIM`` once no shim is left: it stays, where the module fails without Megatron-Core (see ``HEAD_KEPT``).
+SHIM_KEPT = "from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: F401\n"
 
 
 def test_a_shim_read_only_for_its_fields_becomes_the_reads_of_those_fields(tmp_path: Path) -> None:
@@ -840,7 +851,7 @@ def allreduce(model):
     dense = pg_collection.gtp_remat
     return dense, pg_collection.expt_gtp_remat
 '''
-    assert after(tmp_path, source) == helper("pg_group") + '''
+    assert after(tmp_path, source) == SHIM_KEPT + helper("pg_group") + '''
 class Linear:
     def __init__(self, is_expert, *, pg_collection=None):
         self.is_expert = is_expert
@@ -884,7 +895,7 @@ class Layer:
         _pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["expt_gtp_remat"])
         return _pg.expt_gtp_remat
 '''
-    assert after(tmp_path, source) == helper("pg_group", "pg_rank") + '''
+    assert after(tmp_path, source) == SHIM_KEPT + helper("pg_group", "pg_rank") + '''
 def allreduce(model, *, pg_collection=None):
     group = pg_group(pg_collection, "gtp_remat", check_initialized=False)
     return group, pg_rank(pg_collection, "tp")
@@ -961,7 +972,7 @@ def test_a_checked_field_read_inline_is_read_where_the_shim_read_it(tmp_path: Pa
 def f():
     return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["dp"]).dp
 """
-    assert after(tmp_path, source) == helper("pg_group") + """
+    assert after(tmp_path, source) == SHIM_KEPT + helper("pg_group") + """
 def f(*, pg_collection=None):
     return pg_group(pg_collection, "dp")
 """
@@ -986,7 +997,7 @@ def f():
     checked = migrate(files, PRESETS["megatron"], target="megatron", name="pg_collection",
                       helper=Helper(shims={"gtp_remat": ("get_gtp_weight_remat_group", {})}))
     assert [change.after.decode() for change in checked.changes if change.path == "m.py"] == [
-        helper("pg_group") + """
+        SHIM_KEPT + helper("pg_group") + """
 def f(*, pg_collection=None):
     return pg_group(pg_collection, "gtp_remat")
 """]

@@ -40,6 +40,7 @@ def layers(n, vp_stage, flag):
 """
 
 REWRITTEN = """\
+from megatron.core import parallel_state as ps  # noqa: F401
 from _process_group_fallback import pg_read
 
 
