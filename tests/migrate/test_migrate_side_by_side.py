@@ -161,9 +161,14 @@ def test_an_import_in_a_try_whose_handler_sets_a_flag_stays(tmp_path: Path) -> N
 
 def test_a_name_another_module_imports_from_a_rewritten_one_stays(tmp_path: Path) -> None:
     """The other module's ``from pkg.reads import ...``, attribute reads of the module, ``import *`` and the
-    module's own ``__all__`` reach the names the rewrite stopped reading: each stays importable."""
+    module's own ``__all__`` reach the names the rewrite stopped reading: each stays importable. An import of
+    Megatron-Core before it stays in use, so the unused one is not kept as the import that fails without
+    Megatron-Core (that rule would keep it whoever imports from the module)."""
     reads = """
+        import megatron.core
         from megatron.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        PACKAGE = megatron.core.__name__
 
         def rank():
             return get_tensor_model_parallel_rank()
