@@ -40,7 +40,7 @@ import attrs
 
 from pgregistry._runtime.optional_kernels import (
     cuda_index,
-    launch_on,
+    launch_kernel,
     optional_kernels,
     probe_kernel,
 )
@@ -183,19 +183,19 @@ def _launch_squares_and_zeros(
 
     pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
     table, offsets = (x, x) if tables is None else tables
-    with launch_on(x.device):
-        _require_kernels().squares_and_zeros_kernel[(programs,)](
-            x,
-            n,
-            table,
-            offsets,
-            pairs,
-            TABLE=tables is not None,
-            BLOCK=block,
-            ITERS=iters,
-            VEC=_vector_width(x.dtype),
-            num_warps=WARPS,
-        )
+    launch_kernel(
+        _require_kernels().squares_and_zeros_kernel,
+        programs,
+        x.device,
+        (x, n, table, offsets, pairs),
+        {
+            "TABLE": tables is not None,
+            "BLOCK": block,
+            "ITERS": iters,
+            "VEC": _vector_width(x.dtype),
+        },
+        num_warps=WARPS,
+    )
     return pairs.sum(0)
 
 
@@ -321,22 +321,29 @@ def _scale_launch(
     ``max_norm`` over the norm ``value``."""
     if launch.table is None:
         return
-    with launch_on(tensors[0].device):
-        _require_kernels().scale_kernel[(launch.table.shape[0],)](
-            tensors[launch.base],
+    base = tensors[launch.base]
+    launch_kernel(
+        _require_kernels().scale_kernel,
+        launch.table.shape[0],
+        base.device,
+        (
+            base,
             0,
             launch.table,
             launch.offsets,
             value,
             float64_bits(max_norm or 0.0),
             _epsilon_bits(),
-            FROM_NORM=max_norm is not None,
-            TABLE=True,
-            BLOCK=launch.block,
-            ITERS=launch.iters,
-            VEC=_vector_width(tensors[0].dtype),
-            num_warps=WARPS,
-        )
+        ),
+        {
+            "FROM_NORM": max_norm is not None,
+            "TABLE": True,
+            "BLOCK": launch.block,
+            "ITERS": launch.iters,
+            "VEC": _vector_width(base.dtype),
+        },
+        num_warps=WARPS,
+    )
 
 
 @attrs.frozen(slots=True)
@@ -376,8 +383,11 @@ def finish_rows(
     narrowed = torch.empty((), dtype=torch.float32, device=device) if norm and narrow else None
     clipped = torch.empty((), dtype=torch.float32, device=device) if norm and narrow else None
     first = rows[0]
-    with launch_on(device):
-        _require_kernels().finish_kernel[(1,)](
+    launch_kernel(
+        _require_kernels().finish_kernel,
+        1,
+        device,
+        (
             first,
             rows[-1],
             first if flags is None else flags,
@@ -386,12 +396,16 @@ def finish_rows(
             first if narrowed is None else narrowed,
             first if clipped is None else clipped,
             float64_bits(scale),
-            TWO_ROWS=len(rows) == 2,
-            NORM=norm,
-            ZEROS=zeros,
-            FLAGS=flags is not None,
-            NARROW=narrowed is not None,
-        )
+        ),
+        {
+            "TWO_ROWS": len(rows) == 2,
+            "NORM": norm,
+            "ZEROS": zeros,
+            "FLAGS": flags is not None,
+            "NARROW": narrowed is not None,
+        },
+        num_warps=WARPS,
+    )
     return Finished(norm64, count, narrowed, clipped)
 
 
