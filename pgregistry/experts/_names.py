@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, SupportsIndex, TypedDict
 
-from pgregistry._runtime.integers import plain_int
+from pgregistry._runtime.integers import as_integer
 from pgregistry._runtime.resolve import normalise_model, resolve_pg_collection
 from pgregistry.attachments import wrapper_chain
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
@@ -219,8 +219,8 @@ class GlobalNamer:
             offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
         if offset is None:
             offset = self._offset_without_pipeline(chunk_index)
-        number = plain_int(offset)  # np.int64(2) (a config read with NumPy) is offset 2
-        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+        number = as_integer(offset)  # np.int64(2) (a config read with NumPy) is offset 2
+        if number is None or number < 0:
             raise ValueError(
                 f"layer offset of model chunk {chunk_index} "
                 f"must be a non-negative integer: {offset!r}"
