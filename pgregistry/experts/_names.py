@@ -7,6 +7,7 @@ equal ``named_parameters()`` names: existing checkpoints keep loading.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -94,7 +95,6 @@ class GlobalNamer:
             )
         self._chunks = chunks
         self._resolve = collection
-        self._resolved: ProcessGroupCollection | None = None
         self._num_experts = num_experts
         self._layer_offsets = layer_offsets
         self._offsets: dict[int, int] = {}
@@ -188,12 +188,11 @@ class GlobalNamer:
                 )
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
-        return ep_rank_and_size(self._get_collection())
+        return ep_rank_and_size(self._collection)
 
-    def _get_collection(self) -> ProcessGroupCollection:
-        if self._resolved is None:
-            self._resolved = self._resolve()
-        return self._resolved
+    @functools.cached_property
+    def _collection(self) -> ProcessGroupCollection:
+        return self._resolve()
 
     def _num_experts_in(self, chunk_index: int, local_name: str) -> int:
         if self._num_experts is not None:
@@ -231,7 +230,7 @@ class GlobalNamer:
     def _offset_without_pipeline(self, chunk_index: int) -> int:
         """0 when one chunk holds every layer (PP off); else the offset is unknown: this raises."""
         if len(self._chunks) == 1:
-            if group_size(self._get_collection().get("pp")) == 1:
+            if group_size(self._collection.get("pp")) == 1:
                 return 0
         raise ValueError(
             f"model chunk {chunk_index} has layers but no first global "
