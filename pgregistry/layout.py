@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
+from pgregistry._runtime.flags import require_flag
 from pgregistry._runtime.integers import non_negative_int, plain_int, positive_int
 
 if TYPE_CHECKING:
@@ -673,11 +674,8 @@ def _shrink_layout(
     same members: their communicators can be kept. Only groups that reach across replicas (the
     data-parallel kinds) lose members.
     """
-    if not isinstance(sharded_optimizer, bool):  # "no" would be true, and refuse a survivable loss
-        raise TypeError(
-            f"sharded_optimizer must be True or False, got {sharded_optimizer!r} "
-            f"({type(sharded_optimizer).__name__})"
-        )
+    # "no" would be true, and refuse a survivable loss
+    require_flag(sharded_optimizer, "sharded_optimizer")
     lost_ranks = _check_lost_ranks(layout, lost)
     first, stop = layout.rank_range()
     ranks = range(first, stop)

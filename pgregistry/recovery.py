@@ -68,7 +68,7 @@ import math
 import time
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -270,7 +270,7 @@ def recover(
 
     from pgregistry import registry
     from pgregistry._runtime.agreement import require_distributed
-    from pgregistry._runtime.integers import plain_int
+    from pgregistry._runtime.integers import as_integer
     from pgregistry._runtime.resolve import check_usable
 
     global _generation
@@ -286,11 +286,12 @@ def recover(
             f"recover re-forms the whole world, so the layout must span it: {layout!r} spans ranks "
             f"{layout.rank_offset}-{layout.rank_offset + layout.num_ranks - 1} of {world_size}"
         )
-    committed_step = cast(int, plain_int(committed_step))  # np.int64(5) is step 5
-    if isinstance(committed_step, bool) or not isinstance(committed_step, int):
+    step = as_integer(committed_step)  # np.int64(5) is step 5
+    if step is None:
         raise TypeError(
             f"committed_step must be an integer (the last step applied), got {committed_step!r}"
         )
+    committed_step = step
     # An infinite wait (lost=None) would wait for ever for a rank that never comes.
     if not isinstance(wait, int | float) or isinstance(wait, bool) or not 0 < wait < math.inf:
         raise ValueError(f"wait must be a positive, finite number of seconds, got {wait!r}")
@@ -409,12 +410,12 @@ def _as_ranks(lost: Iterable[int]) -> list[int]:
     Their range is the verdict's to check, so that every survivor raises it alike."""
     if isinstance(lost, str | bytes) or not isinstance(lost, Iterable):
         raise TypeError(f"lost must be an iterable of ranks or None, got {type(lost).__name__}")
-    from pgregistry._runtime.integers import plain_int
+    from pgregistry._runtime.integers import as_integer
 
     out = []
     for given in lost:
-        rank = plain_int(given)  # a launcher's np.int64(3) is rank 3
-        if isinstance(rank, bool) or not isinstance(rank, int):
+        rank = as_integer(given)  # a launcher's np.int64(3) is rank 3
+        if rank is None:
             raise TypeError(f"lost rank must be an integer, got {given!r} ({type(given).__name__})")
         out.append(rank)
     return out

@@ -47,7 +47,7 @@ import attrs
 import torch
 
 from pgregistry._runtime.flags import require_flag
-from pgregistry._runtime.integers import non_negative_int, plain_int, positive_int
+from pgregistry._runtime.integers import as_integer, non_negative_int, positive_int
 from pgregistry._runtime.resolve import resolve_pg_collection
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
 from pgregistry.layout import ParallelLayout, require_layout
@@ -268,8 +268,8 @@ def _check_seed(seed: object, what: str) -> int:
     """``seed`` as an int (an integer of any type: ``np.int64`` too), or ``ValueError``.
 
     It must lie in [0, 2**64), torch's range; a bool or a float is no seed."""
-    number = plain_int(seed)
-    if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < _MAX_SEED:
+    number = as_integer(seed)
+    if number is None or not 0 <= number < _MAX_SEED:
         raise ValueError(f"seed for {what} must be an integer in [0, 2**64), got {seed!r}")
     return number
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from pgregistry._runtime.integers import positive_int
 from pgregistry.layout import GROUP_KINDS, RankGroup
 
 if TYPE_CHECKING:
@@ -154,10 +155,8 @@ def compare_layouts(
     (naming the layout: ``a`` or ``b``)."""
     if world_size is None:
         world = max(a.rank_range()[1], b.rank_range()[1])
-    elif not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     else:
-        world = world_size
+        world = positive_int(world_size, "world_size")
     for name, layout in (("a", a), ("b", b)):
         first, stop = layout.rank_range()
         if stop > world:

@@ -8,11 +8,22 @@ Torch-free.
 
 from __future__ import annotations
 
-__all__ = ["require_flag"]
+__all__ = ["flag_error", "require_flag"]
+
+
+def flag_error(value: object, name: str) -> TypeError | None:
+    """The ``TypeError`` naming ``name`` and ``value`` unless it is ``True`` or ``False``.
+
+    ``None`` for a flag. For checks that gather every argument's fault before raising (alike on
+    every rank)."""
+    if isinstance(value, bool):
+        return None
+    return TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def require_flag(value: object, name: str) -> bool:
     """``value`` when it is ``True`` or ``False``, else ``TypeError`` naming ``name`` and value."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
+    error = flag_error(value, name)
+    if error is not None:
+        raise error
+    return bool(value)

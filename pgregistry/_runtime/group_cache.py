@@ -241,14 +241,7 @@ class GroupCache:
         after the same agreement check as a build. A 1-rank set gets a communicator too: the caller
         asked for it explicitly.
         """
-        require_distributed("creating process groups")
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-        sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
-        check_agreement(
-            "the rank sets to create",
-            {"rank sets": repr(sets), **options.describe()},
-            advice=BUILD_ADVICE,
-        )
+        sets, rank = _agree_on_rank_sets(rank_sets, options, "the rank sets to create")
         # Checked on the whole list, not on this rank's sets only, so that every rank raises alike
         # (none hangs).
         seen: set[int] = set()
@@ -274,11 +267,7 @@ class GroupCache:
         coincide (EP = TP). The twins are counted in :attr:`created` and destroyed with the cache's
         own, never handed out for a rank set again.
         """
-        require_distributed("creating process groups")
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-        sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
-        fields = {"rank sets": repr(sets), **options.describe()}
-        check_agreement("the twin rank sets to create", fields, advice=BUILD_ADVICE)
+        sets, rank = _agree_on_rank_sets(rank_sets, options, "the twin rank sets to create")
         mine: ProcessGroup | None = None
         for ranks in sorted(sets, key=lambda r: (len(r), r)):
             group = self._new_group(ranks, options)
@@ -405,6 +394,21 @@ def split_plan(rank_sets: Iterable[RankGroup]) -> list[list[RankGroup]]:
             families.append([ranks])
             covered.append(set(ranks))
     return families
+
+
+def _agree_on_rank_sets(
+    rank_sets: Iterable[Iterable[int]], options: GroupOptions, what: str
+) -> tuple[list[RankGroup], int]:
+    """``rank_sets`` sorted, each checked (:func:`_rank_set`), and this rank.
+
+    Collective: every rank must pass the same sets and options (``what`` names them in the error),
+    agreed before any communicator is created."""
+    require_distributed("creating process groups")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    sets = sorted({_rank_set(ranks, world_size) for ranks in rank_sets})
+    fields = {"rank sets": repr(sets), **options.describe()}
+    check_agreement(what, fields, advice=BUILD_ADVICE)
+    return sets, rank
 
 
 def _rank_set(ranks: Iterable[int], world_size: int) -> RankGroup:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from typing import SupportsIndex
 
-__all__ = ["non_negative_int", "plain_int", "positive_int"]
+__all__ = ["as_integer", "non_negative_int", "plain_int", "positive_int"]
 
 
 def plain_int(value: object) -> object:
@@ -29,7 +29,10 @@ def plain_int(value: object) -> object:
     return value
 
 
-def _as_integer(value: object) -> int | None:
+def as_integer(value: object) -> int | None:
+    """``value`` as an int when it is an integer of any type (``np.int64``), else ``None``.
+
+    ``None`` for a bool or a float, so a check names the argument with its own message."""
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         return None
     try:
@@ -40,7 +43,7 @@ def _as_integer(value: object) -> int | None:
 
 def positive_int(value: object, name: str) -> int:
     """``value`` as an int when it is an integer of any type above 0, else ``ValueError``."""
-    number = _as_integer(value)
+    number = as_integer(value)
     if number is None or number < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return number
@@ -48,7 +51,7 @@ def positive_int(value: object, name: str) -> int:
 
 def non_negative_int(value: object, name: str) -> int:
     """``value`` as an int when it is an integer of any type, 0 or more, else ``ValueError``."""
-    number = _as_integer(value)
+    number = as_integer(value)
     if number is None or number < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return number

@@ -32,6 +32,7 @@ from typing import Any, Final
 import attrs
 import torch
 
+from pgregistry._runtime.flags import require_flag
 from pgregistry.checkpoint._agreement import Scope, digest_of, max_over_ranks, raise_on_every_rank
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
@@ -73,10 +74,7 @@ def check_strict(strict: object, owner: str) -> None:
 
     ``strict=None`` (or ``0``) read as false loaded a subset without a word; checked before any
     collective."""
-    if not isinstance(strict, bool):
-        raise TypeError(
-            f"{owner}: strict must be True or False, got {strict!r} ({type(strict).__name__})"
-        )
+    require_flag(strict, f"{owner}: strict")
 
 
 def refuse_misfits(

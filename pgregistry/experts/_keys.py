@@ -26,7 +26,7 @@ from typing import Final, Literal, TypeVar
 import attrs
 
 from pgregistry._runtime.flags import require_flag
-from pgregistry._runtime.integers import plain_int, positive_int
+from pgregistry._runtime.integers import as_integer, positive_int
 
 __all__ = [
     "expert_owner",
@@ -47,8 +47,8 @@ def _plain_integer(name: str, value: object) -> int:
     """``value`` as an int (an integer of any type: ``np.int64`` too), else ``ValueError``.
 
     A bool is no expert index."""
-    number = plain_int(value)
-    if not isinstance(number, int) or isinstance(number, bool):
+    number = as_integer(value)
+    if number is None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     return number
 

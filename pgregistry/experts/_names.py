@@ -7,12 +7,13 @@ equal ``named_parameters()`` names: existing checkpoints keep loading.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, SupportsIndex, TypedDict
 
-from pgregistry._runtime.integers import plain_int
+from pgregistry._runtime.integers import as_integer
 from pgregistry._runtime.resolve import normalise_model, resolve_pg_collection
 from pgregistry.attachments import wrapper_chain
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_size
@@ -94,7 +95,6 @@ class GlobalNamer:
             )
         self._chunks = chunks
         self._resolve = collection
-        self._resolved: ProcessGroupCollection | None = None
         self._num_experts = num_experts
         self._layer_offsets = layer_offsets
         self._offsets: dict[int, int] = {}
@@ -188,12 +188,11 @@ class GlobalNamer:
                 )
 
     def _ep_rank_and_size(self) -> tuple[int, int]:
-        return ep_rank_and_size(self._get_collection())
+        return ep_rank_and_size(self._collection)
 
-    def _get_collection(self) -> ProcessGroupCollection:
-        if self._resolved is None:
-            self._resolved = self._resolve()
-        return self._resolved
+    @functools.cached_property
+    def _collection(self) -> ProcessGroupCollection:
+        return self._resolve()
 
     def _num_experts_in(self, chunk_index: int, local_name: str) -> int:
         if self._num_experts is not None:
@@ -219,8 +218,8 @@ class GlobalNamer:
             offset = _chain_attribute(self._chunks[chunk_index], "layer_offset")
         if offset is None:
             offset = self._offset_without_pipeline(chunk_index)
-        number = plain_int(offset)  # np.int64(2) (a config read with NumPy) is offset 2
-        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+        number = as_integer(offset)  # np.int64(2) (a config read with NumPy) is offset 2
+        if number is None or number < 0:
             raise ValueError(
                 f"layer offset of model chunk {chunk_index} "
                 f"must be a non-negative integer: {offset!r}"
@@ -231,7 +230,7 @@ class GlobalNamer:
     def _offset_without_pipeline(self, chunk_index: int) -> int:
         """0 when one chunk holds every layer (PP off); else the offset is unknown: this raises."""
         if len(self._chunks) == 1:
-            if group_size(self._get_collection().get("pp")) == 1:
+            if group_size(self._collection.get("pp")) == 1:
                 return 0
         raise ValueError(
             f"model chunk {chunk_index} has layers but no first global "

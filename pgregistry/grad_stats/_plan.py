@@ -55,6 +55,7 @@ of what a call must read).
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -346,15 +347,12 @@ class Plan:
         params = [param for _, param in named]
         self.classes = [(is_counted(p, groups), reduce_group_of(p, groups)) for p in params]
         self.reduce_groups: tuple[GroupKey, GroupKey] = (groups.dense_reduce, groups.expert_reduce)
-        self._axes: MeshAxes | None = None
         self._layout: _Layout | None = None
 
-    @property
+    @functools.cached_property
     def axes(self) -> MeshAxes:
-        if self._axes is None:
-            reduce_groups = dict(enumerate(self.reduce_groups))
-            self._axes = MeshAxes(self.groups.collection, reduce_groups)  # type: ignore[arg-type]
-        return self._axes
+        reduce_groups = dict(enumerate(self.reduce_groups))
+        return MeshAxes(self.groups.collection, reduce_groups)  # type: ignore[arg-type]
 
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
         """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""

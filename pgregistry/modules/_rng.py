@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Final
 
-from pgregistry._runtime.integers import plain_int
+from pgregistry._runtime.integers import as_integer
 from pgregistry.modules._collection import MultiModuleCollection
 from pgregistry.rng import RNGStatesTracker, model_parallel_manual_seed, seed_plan
 
@@ -35,8 +35,8 @@ def module_seed(seed: int, name: str) -> int:
 
     The same on every rank and every run; a module's seed does not change when modules are added or
     reordered. ``ValueError`` unless ``seed`` is an integer in ``[0, 2**64)``."""
-    number = plain_int(seed)  # np.int64(1234) is 1234: the same text, the same module seeds
-    if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**64:
+    number = as_integer(seed)  # np.int64(1234) is 1234: the same text, the same module seeds
+    if number is None or not 0 <= number < 2**64:
         raise ValueError(f"the job's seed must be an integer in [0, 2**64), got {seed!r}")
     digest = hashlib.sha256(f"{number}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> (64 - _MODULE_SEED_BITS)

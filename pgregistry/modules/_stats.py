@@ -45,6 +45,7 @@ from pgregistry._runtime.agreement import (
     verdict_of,
 )
 from pgregistry._runtime.communicators import span_text
+from pgregistry._runtime.flags import flag_error
 from pgregistry._runtime.resolve import ParamsLike, source_of
 from pgregistry.grad_stats import backend_device, clip_grads_
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
@@ -182,11 +183,7 @@ def clip_grad_norm_(
         "norm_type": repr(norm_type),
         "error_if_nonfinite": repr(error_if_nonfinite),
     }
-    not_a_flag = None
-    if not isinstance(error_if_nonfinite, bool):
-        not_a_flag = TypeError(
-            f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}"
-        )
+    not_a_flag = flag_error(error_if_nonfinite, "error_if_nonfinite")
     bad = combine_faults(max_norm_error(max_norm), norm_type_error(norm_type), not_a_flag)
     owner = "pgregistry.modules.clip_grad_norm_"
     checked = _agree_on_models(models, modules, owner, options, extra_error=bad)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pgregistry._runtime.flags import require_flag
 from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry._runtime.overlapping_tensors import first_overlap
 from pgregistry.collection import UNSET, group_size
@@ -196,10 +197,7 @@ class FlatOptimizer(OptimizerStatistics):
                 f"params must be an iterable of parameters, got a {type(params).__name__}: pass "
                 "list(model.parameters()), or [tensor] for one tensor"
             )
-        if not isinstance(expert, bool):
-            raise TypeError(
-                f"expert must be True or False, got {expert!r} ({type(expert).__name__})"
-            )
+        require_flag(expert, "expert")
         if not callable(inner):
             raise TypeError(
                 f"inner must be a factory of the update rule over the tensors to step "

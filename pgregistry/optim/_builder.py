@@ -12,7 +12,7 @@ resolved once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -180,13 +180,16 @@ def build_optimizer(
         clip_grad_norm_(model, 1.0, pg)
         optimizer.step()
     """
-    options = {
-        "optimizer": optimizer,
+    rule: dict[str, Any] = {
         "lr": lr,
         "weight_decay": weight_decay,
         "betas": betas,
         "eps": eps,
         "momentum": momentum,
+    }
+    options = {
+        "optimizer": optimizer,
+        **rule,
         "mixed_precision": mixed_precision,
         "sharded": sharded,
         "bucket_numel": bucket_numel,
@@ -226,12 +229,7 @@ def build_optimizer(
     stats_groups = process_groups.stats
     names = {id(p): name for name, p in named}
     name_fn = param_name_fn or (lambda p: names[id(p)])
-    if isinstance(optimizer, str):
-        inner = inner_factory(
-            optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
-        )
-    else:
-        inner = optimizer
+    inner = inner_factory(optimizer, **rule) if isinstance(optimizer, str) else optimizer
     main_dtype = torch.float32 if mixed_precision else None
     children: list[FlatOptimizer] = []
     # Refused on every rank of the first child's group, in the all-reduce that decides whether it

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pgregistry._runtime.agreement import combine_faults, verdict_of, world_device
+from pgregistry._runtime.flags import flag_error
 from pgregistry.collection import group_size
 from pgregistry.grad_stats._arguments import real_number
 
@@ -69,8 +70,8 @@ def option_error(option: str, value: Any) -> Exception | None:
             if all(0 <= real_number(b) < 1 for b in pair)  # type: ignore[operator]
             else ValueError(f"betas must each be in [0, 1), got {value!r}")
         )
-    if option in _FLAGS and not isinstance(value, bool):
-        return TypeError(f"{option} must be True or False, got {shown}")
+    if option in _FLAGS:
+        return flag_error(value, option)
     if option == "bucket_numel" and value is not None:
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
             return TypeError(
