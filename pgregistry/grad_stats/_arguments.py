@@ -7,17 +7,34 @@ Every public path (:func:`~pgregistry.grad_stats.clip_grad_norm_`,
 the argument and the value: a string such as ``'1'`` would otherwise reach a comparison with a
 number and raise Python's bare ``TypeError``, or (``float('2')``) be taken silently. The ``*_error``
 forms return the fault instead of raising it, for callers that agree on it across ranks first.
+
+A fault on some ranks only must not leave the others waiting in the norm's reduction, nor may ranks
+given different ``max_norm`` or ``norm_type`` values clip by different coefficients:
+:func:`given_arguments` holds a rank's fault instead of raising it, the rank joins the reduction
+with it, and :func:`agreement_columns` puts what it was given in the verdict the clip reduces anyway
+(no collective more); :class:`Agreement` reads the result (see its docstring for what each rank
+does).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import struct
+from typing import Final
 
+import attrs
 import torch
 
 __all__ = [
+    "AGREEMENT_WIDTH_MAX",
+    "AGREEMENT_WIDTH_SUM",
     "CLIP_EPSILON",
+    "Agreement",
+    "Given",
+    "agreement_columns",
+    "given_arguments",
     "check_max_norm",
     "norm_type_as_float",
     "max_norm_error",
@@ -136,3 +153,144 @@ def _refuse_negative(total_norm: object, value: float) -> None:
             "total_norm must be a norm: 0 or more (NaN or inf: the grads are left unscaled), "
             f"got {total_norm!r}"
         )
+
+
+@attrs.frozen(slots=True)
+class Given:
+    """A call's ``norm_type`` and ``max_norm`` as given on this rank: checked, their fault held.
+
+    ``refusal`` is the first fault (``max_norm``'s, then ``norm_type``'s): the rank still joins the
+    reduction, its norm poisoned and its refusal in the clip's verdict, and raises it afterwards, so
+    a value refused on some ranks only leaves none of their peers waiting in the reduction. ``p`` is
+    the norm type, 2.0 (the default, the row its peers most likely make) where refused; ``max_norm``
+    the checked value as a float (``None`` without a clip or where refused)."""
+
+    p: float
+    clip: bool
+    max_norm: float | None
+    refusal: Exception | None
+
+
+def given_arguments(norm_type: object, max_norm: object, *, clip: bool) -> Given:
+    """``norm_type`` and (with ``clip``) ``max_norm`` checked, their fault held: :class:`Given`.
+
+    A tensor ``max_norm`` is read on the host here, as :func:`check_max_norm` reads it."""
+    max_norm_fault = max_norm_error(max_norm) if clip else None
+    norm_type_fault = norm_type_error(norm_type)
+    p = 2.0 if norm_type_fault is not None else float(norm_type)  # type: ignore[arg-type]
+    refusal = max_norm_fault or norm_type_fault
+    value = real_number(max_norm) if clip and refusal is None else None
+    return Given(p, clip, value, refusal)
+
+
+ARGUMENTS: Final = ("max_norm", "norm_type")
+"""The arguments ranks must agree on, in the order of :func:`agreement_columns`' values."""
+
+_BYTES: Final = 8 * len(ARGUMENTS)
+"""The float64 bytes of the arguments, each a column of the summed form."""
+
+AGREEMENT_WIDTH_SUM: Final = 1 + 2 * _BYTES
+"""The summed form's width: ``[refused, c_0 .. c_15, c_0**2 .. c_15**2]``, ``c_k`` the bytes."""
+
+AGREEMENT_WIDTH_MAX: Final = 1 + 2 * len(ARGUMENTS)
+"""The maximum's form's width: ``[refused, max_norm, norm_type, -max_norm, -norm_type]``."""
+
+
+@functools.lru_cache(maxsize=16)
+def agreement_columns(
+    max_norm: float | None, norm_type: float, summed: bool, device: torch.device
+) -> torch.Tensor:
+    """What a rank was given to clip with, as columns of the verdict (float64, on ``device``).
+
+    ``max_norm`` ``None`` is a refusal (of either argument). Summed over ``n`` ranks (a row reduced
+    with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 16 bytes of the two arguments' float64
+    bits: every rank was given the same bits exactly when each byte's ``n * sum(c**2) ==
+    sum(c)**2`` (equal terms, by Cauchy-Schwarz); every sum is a whole number below 2**53, the test
+    exact for ``n`` up to 2**23. Reduced with MAX: ``[refused, max_norm, norm_type, -max_norm,
+    -norm_type]`` (``-inf`` but the flag where refused): the largest and the negated smallest. Made
+    once per value and device, so a clip called every step with the same arguments adds no
+    operation but the concatenation (no copy to the device)."""
+    if summed:
+        if max_norm is None:
+            values = [1.0] + [0.0] * (2 * _BYTES)
+        else:
+            chunks = [float(byte) for byte in struct.pack("<2d", max_norm, norm_type)]
+            values = [0.0, *chunks, *(chunk * chunk for chunk in chunks)]
+    elif max_norm is None:
+        values = [1.0] + [-math.inf] * (2 * len(ARGUMENTS))
+    else:
+        values = [0.0, max_norm, norm_type, -max_norm, -norm_type]
+    return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
+
+
+@attrs.frozen(slots=True)
+class Agreement:
+    """The clip's arguments reduced over every rank holding grads: was one refused, do they differ.
+
+    ``columns`` are :func:`agreement_columns` reduced: the summed form over a group of ``ranks``
+    ranks, or the maximum's form (``ranks`` 0). Where either holds, the norm is NaN on every rank
+    (:meth:`disagrees`, on the device: no host sync), so no rank scales a grad. Every rank then
+    raises where the verdict can be read without a device sync (:meth:`fault`); a rank that refused
+    its argument raises that fault in any case."""
+
+    columns: torch.Tensor
+    ranks: int
+
+    def disagrees(self) -> torch.Tensor:
+        """Whether a rank refused its argument or the arguments differ (0-dim bool)."""
+        refused = self.columns[0] > 0
+        if not self.ranks:
+            count = len(ARGUMENTS)
+            return refused | (self.columns[1 : 1 + count] != -self.columns[1 + count :]).any()
+        sums = self.columns[1 : 1 + _BYTES].to(torch.int64)
+        squares = self.columns[1 + _BYTES :].to(torch.int64)
+        return refused | (squares * self.ranks != sums * sums).any()
+
+    def as_maximum_form(self, given: Given) -> torch.Tensor:
+        """The summed form as the maximum's, to be reduced with MAX over further groups.
+
+        ``given`` this rank's arguments (the group's where they agree); a disagreement is kept as
+        the range ``[-inf, inf]`` of each."""
+        local = agreement_columns(given.max_norm, given.p, False, self.columns.device)
+        spread = torch.where(self.disagrees(), math.inf, local[1:])
+        return torch.cat([(self.columns[:1] > 0).to(torch.float64), spread])
+
+    def fault(self, given: Given, owner: str) -> ValueError | None:
+        """The error every rank raises, or ``None``: reads the columns on the host (a device sync).
+
+        ``None`` too where this rank refused its argument: it raises its own fault, naming it."""
+        if given.refusal is not None:
+            return None
+        values = self.columns.tolist()
+        this = f"max_norm={given.max_norm!r}, norm_type={given.p!r}"
+        if values[0] > 0:
+            return ValueError(
+                f"{owner}: another rank holding grads refused its max_norm or norm_type (it raises "
+                f"naming the value); this rank was given {this}; no grad was scaled on any rank: "
+                "pass the same valid max_norm and norm_type on every rank"
+            )
+        differ = [
+            f"{name}{spread}"
+            for name, spread in zip(ARGUMENTS, self._spreads(values), strict=True)
+            if spread is not None
+        ]
+        if not differ:
+            return None
+        return ValueError(
+            f"{owner}: {' and '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} across "
+            f"the ranks holding grads; this rank was "
+            f"given {this}: each rank would clip by its own coefficient and the replicas would "
+            "drift apart, so no grad was scaled on any rank: pass the same values on every rank"
+        )
+
+    def _spreads(self, values: list[float]) -> list[str | None]:
+        """Each argument's spread over the ranks (``''`` where unknown), ``None`` where equal."""
+        count = len(ARGUMENTS)
+        if not self.ranks:
+            return [
+                f" (from {-low!r} to {high!r})" if high != -low else None
+                for high, low in zip(values[1 : 1 + count], values[1 + count :], strict=True)
+            ]
+        sums, squares = values[1 : 1 + _BYTES], values[1 + _BYTES :]
+        equal = [self.ranks * int(s2) == int(s1) ** 2 for s1, s2 in zip(sums, squares, strict=True)]
+        return [None if all(equal[8 * k : 8 * k + 8]) else "" for k in range(count)]
