@@ -2267,9 +2267,9 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a max_norm or norm_type refused on one rank only raises there before any collective: its peers wait in "
         "the norm's all-reduce until the group's timeout (docs/reliability.md, hostile inputs, fifth round)",
         file="pgregistry/grad_stats/_functional.py",
-        find="    try:\n        source = source_of(params)\n",
+        find="    try:\n        checked = _check_params_and_plan(params, pg_collection, owner)\n",
         replace="    if given is not None and given.refusal is not None:\n        raise given.refusal\n"
-        "    try:\n        source = source_of(params)\n",
+        "    try:\n        checked = _check_params_and_plan(params, pg_collection, owner)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_a_max_norm_refused_on_one_rank_raises_on_every_rank_and_scales_nothing[2.0-stages]",
                "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
@@ -2305,7 +2305,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "width) scale by a norm that mixes both",
         file="pgregistry/grad_stats/_triton_kernels.py",
         find="                byte = tl.arange(0, 16)  # the float64 bytes of max_norm and norm_type\n",
-        replace="                byte = tl.arange(0, 8)\n",
+        replace="                byte = tl.arange(0, 8)  # max_norm's bytes, and their squares at 19 on\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[max_norm 1, norm types 2 and 1]",),
     ),

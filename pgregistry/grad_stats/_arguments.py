@@ -10,7 +10,7 @@ forms return the fault instead of raising it, for callers that agree on it acros
 
 A fault on some ranks only must not leave the others waiting in the norm's reduction, nor may ranks
 given different ``max_norm`` or ``norm_type`` values clip by different coefficients:
-:func:`given_arguments` holds a rank's fault instead of raising it, the rank joins the reduction
+:func:`arguments_of_call` holds a rank's fault instead of raising it, the rank joins the reduction
 with it, and :func:`agreement_columns` puts what it was given in the verdict the clip reduces anyway
 (no collective more); :class:`Agreement` reads the result (see its docstring for what each rank
 does).
@@ -34,7 +34,7 @@ __all__ = [
     "Agreement",
     "Given",
     "agreement_columns",
-    "given_arguments",
+    "arguments_of_call",
     "check_max_norm",
     "norm_type_as_float",
     "max_norm_error",
@@ -171,7 +171,7 @@ class Given:
     refusal: Exception | None
 
 
-def given_arguments(norm_type: object, max_norm: object, *, clip: bool) -> Given:
+def arguments_of_call(norm_type: object, max_norm: object, *, clip: bool) -> Given:
     """``norm_type`` and (with ``clip``) ``max_norm`` checked, their fault held: :class:`Given`.
 
     A tensor ``max_norm`` is read on the host here, as :func:`check_max_norm` reads it."""
@@ -271,7 +271,7 @@ class Agreement:
             )
         differ = [
             f"{name}{spread}"
-            for name, spread in zip(ARGUMENTS, self._spreads(values), strict=True)
+            for name, spread in zip(ARGUMENTS, self._argument_spreads(values), strict=True)
             if spread is not None
         ]
         if not differ:
@@ -283,7 +283,7 @@ class Agreement:
             "drift apart, so no grad was scaled on any rank: pass the same values on every rank"
         )
 
-    def _spreads(self, values: list[float]) -> list[str | None]:
+    def _argument_spreads(self, values: list[float]) -> list[str | None]:
         """Each argument's spread over the ranks (``''`` where unknown), ``None`` where equal."""
         count = len(ARGUMENTS)
         if not self.ranks:

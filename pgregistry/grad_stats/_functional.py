@@ -40,7 +40,7 @@ from pgregistry._runtime.resolve import (
     source_of,
 )
 from pgregistry.collection import ProcessGroupCollection, group_size
-from pgregistry.grad_stats._arguments import Given, given_arguments
+from pgregistry.grad_stats._arguments import Given, arguments_of_call
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
@@ -230,14 +230,21 @@ def _read_reduce_and_clip(
     raised after the reduction (:func:`_read_and_reduce`), or before it where the call fails on
     this rank before any collective anyway."""
     try:
-        source = source_of(params)
-        _refuse_tensors_without_grads(source, owner)
-        checked = check_plan(source, pg_collection, owner)
+        checked = _check_params_and_plan(params, pg_collection, owner)
     except Exception as exc:
         if given is not None and given.refusal is not None:
             raise given.refusal from exc
         raise
     return _read_and_reduce(checked, owner, wanted, max_norm, error_if_nonfinite, given)[0]
+
+
+def _check_params_and_plan(
+    params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
+) -> CheckedPlan:
+    """What ``params`` are, checked on this rank (tensors without grads refused), and their plan."""
+    source = source_of(params)
+    _refuse_tensors_without_grads(source, owner)
+    return check_plan(source, pg_collection, owner)
 
 
 def _read_and_reduce(
@@ -330,7 +337,7 @@ def grad_norm(
 
         norm = grad_norm(model, pg)  # the same value on every rank, as on the unsharded model
     """
-    given = given_arguments(norm_type, None, clip=False)
+    given = arguments_of_call(norm_type, None, clip=False)
     return _read_reduce_and_clip(
         params, pg_collection, "grad_norm", Wanted(given.p, zeros=False), given=given
     ).norm
@@ -406,7 +413,7 @@ def grad_norm_and_zeros(
 
         norm, zeros = grad_norm_and_zeros(model, pg, max_norm=1.0)
     """
-    given = given_arguments(norm_type, max_norm, clip=max_norm is not None)
+    given = arguments_of_call(norm_type, max_norm, clip=max_norm is not None)
     reduced = _read_reduce_and_clip(
         params,
         pg_collection,
@@ -461,7 +468,7 @@ def clip_grad_norm_(
         if norm.isfinite():
             optimizer.step()
     """
-    given = given_arguments(norm_type, max_norm, clip=True)  # None too: no "do not clip" here
+    given = arguments_of_call(norm_type, max_norm, clip=True)  # None too: no "do not clip" here
     return _read_reduce_and_clip(
         params,
         pg_collection,

@@ -438,7 +438,7 @@ def _reduce_once(
     wanted, device = shares.wanted, shares.device
     if given is not None and given.refusal is not None:
         for group in list(shares.by_group):
-            shares.add(group, _refused_part(device))
+            shares.add(group, _poison_part(device))
     for field in sorted(shares.first, key=FIELD_NAMES.index):
         first = shares.first[field]
         block = torch.stack([_local_row(parts, wanted, device) for parts in first.slots])
@@ -570,7 +570,7 @@ def _float64_zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.float64, device=device)
 
 
-def _refused_part(device: torch.device) -> torch.Tensor:
+def _poison_part(device: torch.device) -> torch.Tensor:
     """The part a rank that refused its argument adds to each group: a NaN share, no zero."""
     part = _float64_zeros(2, device)
     part[_NORM] = math.nan

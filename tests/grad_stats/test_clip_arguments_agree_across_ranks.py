@@ -23,7 +23,7 @@ from torch import nn
 
 from pgregistry import ParallelLayout, clip_grad_norm_, grad_norm, grad_norm_and_zeros, registry
 from pgregistry.grad_stats import CLIP_EPSILON
-from pgregistry.grad_stats._arguments import given_arguments
+from pgregistry.grad_stats._arguments import arguments_of_call
 from pgregistry.grad_stats._reductions import Shares, Wanted, reduce_shares
 from pgregistry.testing import run_world
 
@@ -181,7 +181,7 @@ def _reduced_on_rank(carrier: bool, norm_type: float, max_norms: dict[int, float
     given = None
     if max_norms:
         max_norm = max_norms[dist.get_rank()]
-        given = given_arguments(norm_type, -1.0 if max_norm is None else max_norm, clip=True)
+        given = arguments_of_call(norm_type, -1.0 if max_norm is None else max_norm, clip=True)
     reduced = reduce_shares(shares, verdict=(verdict,), given=given)
     agreement = None if reduced.agreement is None else bool(reduced.agreement.disagrees())
     return bits(reduced.norm64), agreement  # type: ignore[return-value]

@@ -105,14 +105,17 @@ def test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits(
 
 def test_the_summed_form_tells_equal_values_from_any_others_exactly() -> None:
     """The summed form's test (``n * sum(c**2) == sum(c)**2`` per byte) against plain equality, over many ranks:
-    values one bit apart in each byte, and a value equal to the others' mean in every byte."""
+    values one bit apart (each bit but the sign's), two values apart by the same amount either way of a third (each
+    byte's sum that of three equal ones), and values equal to the others' mean in every byte."""
     base = 0.1
     base_bits = struct.unpack("<q", struct.pack("<d", base))[0]
-    for ranks in (2, 3, 1000):
+    for ranks in (2, 3, 4, 1000):
         assert not bool(Agreement(_summed([base] * ranks), ranks).disagrees()), ranks
-        for byte in range(7):  # the sign byte's top bit would make a negative
-            other = struct.unpack("<d", struct.pack("<q", base_bits ^ (1 << (8 * byte))))[0]
+        for bit in range(63):
+            other = struct.unpack("<d", struct.pack("<q", base_bits ^ (1 << bit)))[0]
             values = [base] * (ranks - 1) + [other]
-            assert bool(Agreement(_summed(values), ranks).disagrees()), (ranks, byte)
+            assert bool(Agreement(_summed(values), ranks).disagrees()), (ranks, bit)
+    below, above = (struct.unpack("<d", struct.pack("<q", base_bits + step))[0] for step in (-2, 2))
+    assert bool(Agreement(_summed([below, base, above]), 3).disagrees())
     assert bool(Agreement(_summed([1.0, 2.0, 3.0]), 3).disagrees())  # 2.0 is neither 1.0 nor 3.0
     assert bool(Agreement(_summed([1.0, 1.0], [1.0, 3.0]), 2).disagrees())  # the norm types differ
