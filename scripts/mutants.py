@@ -2307,7 +2307,7 @@ MUTANTS: tuple[Mutant, ...] = (
         find="                byte = tl.arange(0, 16)  # the float64 bytes of max_norm and norm_type\n",
         replace="                byte = tl.arange(0, 8)  # max_norm's bytes, and their squares at 19 on\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
-               "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[max_norm 1, norm types 2 and 1]",),
+               "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[max_norm-1-norm-types-2-and-1]",),
     ),
     Mutant(
         name="clip-arguments-unread-by-the-finishing-kernel",
@@ -2327,6 +2327,36 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="        values = [0.0, max_norm, 2.0, -max_norm, -2.0]\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_norm_types_raise_on_every_rank_and_scale_nothing[replicas-2.0-inf]",),
+    ),
+    Mutant(
+        name="max-norm-tensor-joins-the-grads-graph",
+        bug="a max_norm tensor that requires grad (a parameter, a schedule's output) makes every grad it scales part "
+        "of its autograd graph, kept alive and grown at each step (torch's clip runs without grad)",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="    return max_norm.detach().reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm\n",
+        replace="    return max_norm.reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm\n",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_a_max_norm_that_requires_grad_scales_the_grads_without_joining_its_graph",),
+    ),
+    Mutant(
+        name="grad-statistics-recorded-by-autograd",
+        bug="grads made with create_graph=True give a norm with an autograd graph (torch's get_total_norm and "
+        "clip_grad_norm_ run without grad): every logged norm keeps its graph alive",
+        file="pgregistry/grad_stats/_functional.py",
+        find="@torch.no_grad()\ndef _read_and_reduce(",
+        replace="def _read_and_reduce(",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_grads_made_with_create_graph_give_a_norm_without_a_graph_as_torch",),
+    ),
+    Mutant(
+        name="error-if-nonfinite-string-taken-as-true",
+        bug="clip_grad_norm_(..., error_if_nonfinite='False') is true: a non-finite norm raises where the caller "
+        "meant to skip the step",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="    if not isinstance(error_if_nonfinite, bool):\n",
+        replace="    if False:\n",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_error_if_nonfinite_given_as_a_string_is_refused_on_every_rank_not_taken_as_true",),
     ),
 )
 

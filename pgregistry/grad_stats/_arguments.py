@@ -109,9 +109,12 @@ def max_norm_scalar(max_norm: float) -> float:
     """A checked ``max_norm``, a one-element tensor of any shape made 0-dim (its fault raised).
 
     A ``[1]``-shaped ``max_norm`` would make the coefficient ``[1]``-shaped, which the scaling
-    kernels refuse after the norm's reduction; a 0-dim tensor stays on its device (no host sync)."""
+    kernels refuse after the norm's reduction; a 0-dim tensor stays on its device (no host sync),
+    detached: one that requires grad (a parameter, a schedule's output) made every grad it scaled
+    part of its autograd graph, kept alive and grown at each step (torch's clip runs without
+    grad)."""
     check_max_norm(max_norm)
-    return max_norm.reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm
+    return max_norm.detach().reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm
 
 
 def norm_type_as_float(norm_type: object) -> float:
@@ -159,11 +162,12 @@ def _refuse_negative(total_norm: object, value: float) -> None:
 class Given:
     """A call's ``norm_type`` and ``max_norm`` as given on this rank: checked, their fault held.
 
-    ``refusal`` is the first fault (``max_norm``'s, then ``norm_type``'s): the rank still joins the
-    reduction, its norm poisoned and its refusal in the clip's verdict, and raises it afterwards, so
-    a value refused on some ranks only leaves none of their peers waiting in the reduction. ``p`` is
-    the norm type, 2.0 (the default, the row its peers most likely make) where refused; ``max_norm``
-    the checked value as a float (``None`` without a clip or where refused)."""
+    ``refusal`` is the first fault (``max_norm``'s, ``norm_type``'s, ``error_if_nonfinite``'s): the
+    rank still joins the reduction, its norm poisoned and its refusal in the clip's verdict, and
+    raises it afterwards, so a value refused on some ranks only leaves none of their peers waiting
+    in the reduction. ``p`` is the norm type, 2.0 (the default, the row its peers most likely make)
+    where refused; ``max_norm`` the checked value as a float (``None`` without a clip or where
+    refused)."""
 
     p: float
     clip: bool
@@ -171,14 +175,24 @@ class Given:
     refusal: Exception | None
 
 
-def arguments_of_call(norm_type: object, max_norm: object, *, clip: bool) -> Given:
+def arguments_of_call(
+    norm_type: object, max_norm: object, *, clip: bool, error_if_nonfinite: object = False
+) -> Given:
     """``norm_type`` and (with ``clip``) ``max_norm`` checked, their fault held: :class:`Given`.
 
-    A tensor ``max_norm`` is read on the host here, as :func:`check_max_norm` reads it."""
+    A tensor ``max_norm`` is read on the host here, as :func:`check_max_norm` reads it.
+    ``error_if_nonfinite`` must be a bool: a string such as ``'False'`` (from a configuration) was
+    true, and raised on a non-finite norm where the caller meant to skip the step."""
     max_norm_fault = max_norm_error(max_norm) if clip else None
     norm_type_fault = norm_type_error(norm_type)
+    flag_fault = None
+    if not isinstance(error_if_nonfinite, bool):
+        flag_fault = TypeError(
+            f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r} "
+            f"({type(error_if_nonfinite).__name__})"
+        )
     p = 2.0 if norm_type_fault is not None else float(norm_type)  # type: ignore[arg-type]
-    refusal = max_norm_fault or norm_type_fault
+    refusal = max_norm_fault or norm_type_fault or flag_fault
     value = real_number(max_norm) if clip and refusal is None else None
     return Given(p, clip, value, refusal)
 
@@ -265,9 +279,9 @@ class Agreement:
         this = f"max_norm={given.max_norm!r}, norm_type={given.p!r}"
         if values[0] > 0:
             return ValueError(
-                f"{owner}: another rank holding grads refused its max_norm or norm_type (it raises "
-                f"naming the value); this rank was given {this}; no grad was scaled on any rank: "
-                "pass the same valid max_norm and norm_type on every rank"
+                f"{owner}: another rank holding grads refused its max_norm, norm_type or "
+                f"error_if_nonfinite (it raises naming the value); this rank was given {this}; no "
+                "grad was scaled on any rank: pass the same valid arguments on every rank"
             )
         differ = [
             f"{name}{spread}"

@@ -247,6 +247,7 @@ def _check_params_and_plan(
     return check_plan(source, pg_collection, owner)
 
 
+@torch.no_grad()
 def _read_and_reduce(
     checked: CheckedPlan,
     owner: str,
@@ -258,7 +259,9 @@ def _read_and_reduce(
     """Read the grads of a checked plan once, reduce them and (with ``given.clip``) clip them.
 
     Returns the reduced statistics and the read. A fault of ``given`` is raised after the
-    reduction, which it joined (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+    reduction, which it joined (:func:`~pgregistry.grad_stats._reductions.reduce_shares`). Without
+    grad, as torch's ``get_total_norm`` and ``clip_grad_norm_``: grads made with
+    ``create_graph=True`` gave a norm with an autograd graph, and their scaling was in it."""
     plan, ordered = checked.plan, checked.params
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
     clip = given is not None and given.clip
@@ -404,8 +407,9 @@ def grad_norm_and_zeros(
     Raises:
         TypeError: ``norm_type`` or ``max_norm`` not a real number; ``pg_collection`` neither a
             collection nor ``None``.
-        ValueError: ``norm_type`` not positive; ``max_norm`` not positive and finite; as
-            :func:`grad_norm` otherwise.
+        ValueError: ``norm_type`` not positive; ``max_norm`` not positive and finite; with
+            ``max_norm``, the ranks' arguments differing or refused on another rank, as
+            :func:`clip_grad_norm_`; as :func:`grad_norm` otherwise.
         RuntimeError: with ``max_norm`` and ``error_if_nonfinite``, a non-finite norm, on every
             rank.
 
@@ -413,7 +417,9 @@ def grad_norm_and_zeros(
 
         norm, zeros = grad_norm_and_zeros(model, pg, max_norm=1.0)
     """
-    given = arguments_of_call(norm_type, max_norm, clip=max_norm is not None)
+    given = arguments_of_call(
+        norm_type, max_norm, clip=max_norm is not None, error_if_nonfinite=error_if_nonfinite
+    )
     reduced = _read_reduce_and_clip(
         params,
         pg_collection,
@@ -459,7 +465,11 @@ def clip_grad_norm_(
         TypeError: ``max_norm`` or ``norm_type`` not a real number (a string such as ``'1.0'``, a
             bool, ``None``); ``pg_collection`` neither a collection nor ``None``.
         ValueError: ``max_norm`` not positive and finite (0, negative, NaN, inf); ``norm_type`` not
-            positive; as :func:`grad_norm` otherwise.
+            positive; the ranks holding grads given different ``max_norm`` or ``norm_type`` values,
+            or another rank refusing its own: on every rank where the grads are on the CPU or with
+            ``error_if_nonfinite`` (on a GPU otherwise the norm is NaN and nothing is scaled, with
+            no host sync); as :func:`grad_norm` otherwise. A refused argument is raised after the
+            norm's reduction, which the rank still joins, so its peers do not wait.
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
 
     Example::
@@ -468,7 +478,9 @@ def clip_grad_norm_(
         if norm.isfinite():
             optimizer.step()
     """
-    given = arguments_of_call(norm_type, max_norm, clip=True)  # None too: no "do not clip" here
+    given = arguments_of_call(  # max_norm None too: no "do not clip" here
+        norm_type, max_norm, clip=True, error_if_nonfinite=error_if_nonfinite
+    )
     return _read_reduce_and_clip(
         params,
         pg_collection,

@@ -32,17 +32,17 @@ def _one_bit_above(value: float) -> float:
 
 CASES: dict[str, tuple[list[float | None], list[float]]] = {
     # name: (each rank's max_norm, None where refused; the verdict's [NaN, inf] counts); norm_type 2 on each rank
-    "two ranks agree": ([1.0, 1.0], [0.0, 0.0]),
-    "five ranks agree on 0.1": ([0.1] * 5, [0.0, 0.0]),
-    "one bit apart": ([1.0, _one_bit_above(1.0)], [0.0, 0.0]),
-    "1 and 2": ([1.0, 2.0, 1.0], [0.0, 0.0]),
-    "the mean of the others": ([1.0, 2.0, 3.0], [0.0, 0.0]),
-    "one refused": ([1.0, None], [0.0, 0.0]),
-    "every one refused": ([None, None], [0.0, 0.0]),
-    "agree beside an inf": ([3.5, 3.5], [0.0, 1.0]),
-    "differ beside an inf": ([3.5, 7.0], [0.0, 1.0]),
-    "agree beside a nan": ([3.5, 3.5], [2.0, 0.0]),
-    "max_norm 1, norm types 2 and 1": ([1.0, 1.0], [0.0, 0.0]),
+    "two-ranks-agree": ([1.0, 1.0], [0.0, 0.0]),
+    "five-ranks-agree-on-01": ([0.1] * 5, [0.0, 0.0]),
+    "one-bit-apart": ([1.0, _one_bit_above(1.0)], [0.0, 0.0]),
+    "1-and-2": ([1.0, 2.0, 1.0], [0.0, 0.0]),
+    "the-mean-of-the-others": ([1.0, 2.0, 3.0], [0.0, 0.0]),
+    "one-refused": ([1.0, None], [0.0, 0.0]),
+    "every-one-refused": ([None, None], [0.0, 0.0]),
+    "agree-beside-an-inf": ([3.5, 3.5], [0.0, 1.0]),
+    "differ-beside-an-inf": ([3.5, 7.0], [0.0, 1.0]),
+    "agree-beside-a-nan": ([3.5, 3.5], [2.0, 0.0]),
+    "max_norm-1-norm-types-2-and-1": ([1.0, 1.0], [0.0, 0.0]),
 }
 """Arguments over ranks, each finished by the kernel and by torch's operations."""
 
@@ -65,7 +65,7 @@ def finished_side_by_side(device: torch.device) -> dict[str, tuple[list[int | No
     out = {}
     for name, (values, counts) in CASES.items():
         row = torch.tensor(ROW, dtype=torch.float64, device=device)
-        norm_types = [2.0, 1.0] if "norm types" in name else None
+        norm_types = [2.0, 1.0] if "norm-types" in name else None
         riding = torch.cat([torch.tensor(counts, dtype=torch.float64), _summed(values, norm_types)]).to(device)
         kernel = fused_stats.finish_rows(
             [row], riding, norm=True, zeros=True, narrow=True, scale=S, ranks=len(values)
@@ -98,7 +98,7 @@ def test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits(
     by_kernel, by_torch = interpreted[case]
     assert by_kernel == by_torch, case
     values, counts = CASES[case]
-    agree = None not in values and len(set(values)) == 1 and "norm types" not in case
+    agree = None not in values and len(set(values)) == 1 and "norm-types" not in case
     nan = by_kernel[0] == -1
     assert nan == (counts[0] > 0 or not agree), (case, by_kernel)  # a disagreement is NaN beside an inf too
 
