@@ -2294,8 +2294,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the summed form's test asks only whether each byte's sum is a multiple of the ranks: two ranks one bit "
         "apart agree, each scaling by its own coefficient",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        return refused | (squares * self.ranks != sums * sums).any()\n",
-        replace="        return refused | (sums % self.ranks != 0).any()\n",
+        find="        return (squares * self.ranks != sums * sums).reshape(count, 8).any(1)\n",
+        replace="        return (sums % self.ranks != 0).reshape(count, 8).any(1)\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_summed_form_tells_equal_values_from_any_others_exactly",),
     ),
@@ -2357,6 +2357,16 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="    if False:\n",
         tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
                "test_error_if_nonfinite_given_as_a_string_is_refused_on_every_rank_not_taken_as_true",),
+    ),
+    Mutant(
+        name="clip-disagreement-lost-crossing-optimizer-instances",
+        bug="arguments that differ inside one optimizer instance (told by its summed row) are passed on to the other "
+        "instances as this rank's value alone: ranks of an instance that agrees clip, the others do not",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        unknown = (self.differing() | refused).repeat(2)\n",
+        replace="        unknown = refused.repeat(4)\n",
+        tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank[one-rank]",),
     ),
 )
 

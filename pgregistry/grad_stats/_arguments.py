@@ -252,22 +252,28 @@ class Agreement:
 
     def disagrees(self) -> torch.Tensor:
         """Whether a rank refused its argument or the arguments differ (0-dim bool)."""
-        refused = self.columns[0] > 0
+        return (self.columns[0] > 0) | self.differing().any()
+
+    def differing(self) -> torch.Tensor:
+        """Which of :data:`ARGUMENTS` differ across the ranks (bool, one each; no host sync)."""
+        count = len(ARGUMENTS)
         if not self.ranks:
-            count = len(ARGUMENTS)
-            return refused | (self.columns[1 : 1 + count] != -self.columns[1 + count :]).any()
+            return self.columns[1 : 1 + count] != -self.columns[1 + count :]
         sums = self.columns[1 : 1 + _BYTES].to(torch.int64)
         squares = self.columns[1 + _BYTES :].to(torch.int64)
-        return refused | (squares * self.ranks != sums * sums).any()
+        return (squares * self.ranks != sums * sums).reshape(count, 8).any(1)
 
     def as_maximum_form(self, given: Given) -> torch.Tensor:
         """The summed form as the maximum's, to be reduced with MAX over further groups.
 
-        ``given`` this rank's arguments (the group's where they agree); a disagreement is kept as
-        the range ``[-inf, inf]`` of each."""
+        ``given`` this rank's arguments (the group's where they agree); an argument that differs
+        (every one, where a rank refused) is kept as the range ``[-inf, inf]``: known to differ,
+        its values not."""
         local = agreement_columns(given.max_norm, given.p, False, self.columns.device)
-        spread = torch.where(self.disagrees(), math.inf, local[1:])
-        return torch.cat([(self.columns[:1] > 0).to(torch.float64), spread])
+        refused = self.columns[:1] > 0
+        # the largest values, then the negated least
+        unknown = (self.differing() | refused).repeat(2)
+        return torch.cat([refused.to(torch.float64), torch.where(unknown, math.inf, local[1:])])
 
     def fault(self, given: Given, owner: str) -> ValueError | None:
         """The error every rank raises, or ``None``: reads the columns on the host (a device sync).
@@ -302,9 +308,18 @@ class Agreement:
         count = len(ARGUMENTS)
         if not self.ranks:
             return [
-                f" (from {-low!r} to {high!r})" if high != -low else None
-                for high, low in zip(values[1 : 1 + count], values[1 + count :], strict=True)
+                self._range_text(high, -negated_least)
+                for high, negated_least in zip(
+                    values[1 : 1 + count], values[1 + count :], strict=True
+                )
             ]
         sums, squares = values[1 : 1 + _BYTES], values[1 + _BYTES :]
         equal = [self.ranks * int(s2) == int(s1) ** 2 for s1, s2 in zip(sums, squares, strict=True)]
         return [None if all(equal[8 * k : 8 * k + 8]) else "" for k in range(count)]
+
+    @staticmethod
+    def _range_text(high: float, least: float) -> str | None:
+        """``None`` where every rank was given one value; else its range, ``''`` where unknown."""
+        if high == least:
+            return None
+        return "" if least == -math.inf else f" (from {least!r} to {high!r})"

@@ -212,3 +212,39 @@ def test_the_reduction_makes_the_norm_nan_on_every_rank_where_the_arguments_diff
         for rank, (norm_bits, disagrees) in enumerate(got):
             assert disagrees is disagree, (max_norms, rank)
             assert norm_bits == (-1 if disagree else plain[rank][0]), (max_norms, rank, norm_bits)
+
+
+def _instances_on_rank(case: str) -> tuple[str, bool]:
+    """Four ranks as two optimizer instances (``intra_dist_opt`` each a pair of pipeline stages, ``inter_dist_opt``
+    across them): the verdict rides in each pair's row (summed), then crosses the instances (MAX)."""
+    pgc = registry.build(ParallelLayout(num_ranks=4, pp=2))
+    pgc = pgc.evolve(intra_dist_opt=pgc.mp, inter_dist_opt=pgc.dp)
+    model = nn.Linear(3, 2)
+    for param, grad in zip(model.parameters(), _grads(dist.get_rank() % 2, False), strict=True):
+        param.grad = grad.clone()
+    before = [p.grad.clone() for p in model.parameters()]
+    first_instance = 0 in dist.get_process_group_ranks(pgc.mp)
+    max_norm = {
+        "one-rank": 2.0 if dist.get_rank() == 3 else 1.0,
+        "one-instance": 1.0 if first_instance else 2.0,
+        "refused": -1.0 if dist.get_rank() == 3 else 1.0,
+    }[case]
+    try:
+        clip_grad_norm_(model, max_norm, pgc)
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    return error, all(bool((p.grad == b).all()) for p, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("case", ["one-rank", "one-instance", "refused"])
+def test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank(case: str) -> None:
+    for rank, (error, unchanged) in enumerate(run_world(4, _instances_on_rank, case, timeout=DEADLINE)):
+        if case == "refused" and rank == 3:
+            assert error == "max_norm must be a positive, finite number, got -1.0", error
+        elif case == "refused":
+            assert "another rank holding grads refused its max_norm" in error, (rank, error)
+        else:  # the range where the verdict crossed instances with MAX; unknown where a pair's sum told
+            spread = " (from 1.0 to 2.0)" if case == "one-instance" else ""
+            assert error.startswith(f"clip_grad_norm_: max_norm{spread} differs across the ranks"), (rank, error)
+        assert unchanged, rank
