@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pgregistry import ParallelLayout, clip_grad_norm_, grad_norm, grad_norm_and_zeros, registry
-from pgregistry.grad_stats import CLIP_EPSILON
+from pgregistry.grad_stats import CLIP_EPSILON, clip_grads_
+from pgregistry.optim import build_optimizer
 from pgregistry.testing import run_world
 
 INPUT = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]])
@@ -74,13 +75,23 @@ def test_grads_made_with_create_graph_give_a_norm_without_a_graph_as_torch() -> 
             torch.testing.assert_close(got.double(), before.double() * coefficient, rtol=1e-6, atol=0)
 
 
-def _clip_by_a_tensor_on_rank() -> dict[str, object]:
+def _clip_by_a_tensor_on_rank(path: str) -> dict[str, object]:
     layer, pgc = _stage()
+    optimizer = build_optimizer(layer, pgc, optimizer="sgd", lr=0.1) if path == "optimizer" else None
     for param in layer.parameters():
-        param.grad = param.detach() * 3 + 1
+        if param.grad is None:
+            param.grad = param.detach() * 3 + 1
+        else:  # the optimizer's view of its buffer
+            param.grad.copy_(param.detach() * 3 + 1)
     grads = [p.grad.clone() for p in layer.parameters()]
     max_norm = nn.Parameter(torch.tensor(2.0))  # learnable, or a schedule's output
-    norm = float(clip_grad_norm_(layer, max_norm, pgc))
+    if path == "clip_grad_norm_":
+        norm = float(clip_grad_norm_(layer, max_norm, pgc))
+    elif path == "optimizer":
+        norm = float(optimizer.clip_grad_norm(max_norm))  # type: ignore[union-attr]
+    else:  # the list path, given the job's norm
+        norm = float(grad_norm(layer, pgc))
+        clip_grads_([p.grad for p in layer.parameters()], max_norm, norm)
     return {
         "grads": grads,
         "norm": norm,
@@ -89,8 +100,9 @@ def _clip_by_a_tensor_on_rank() -> dict[str, object]:
     }
 
 
-def test_a_max_norm_that_requires_grad_scales_the_grads_without_joining_its_graph() -> None:
-    results = run_world(2, _clip_by_a_tensor_on_rank, timeout=30.0)
+@pytest.mark.parametrize("path", ["clip_grad_norm_", "optimizer", "clip_grads_"])
+def test_a_max_norm_that_requires_grad_scales_the_grads_without_joining_its_graph(path: str) -> None:
+    results = run_world(2, _clip_by_a_tensor_on_rank, path, timeout=30.0)
     want = _oracle([result["grads"] for result in results])
     coefficient = 2.0 / (want + CLIP_EPSILON)
     assert coefficient < 1.0
