@@ -4,8 +4,9 @@ round), in a 2-rank gloo world of two pipeline stages, against the float64 oracl
 - grads made with ``create_graph=True`` (a gradient penalty, meta-learning): the norm came back with an autograd
   graph (``requires_grad`` true), kept alive by every logged norm, where torch's ``get_total_norm`` and
   ``clip_grad_norm_`` run without grad;
-- a ``max_norm`` tensor that requires grad (a parameter, a schedule's output): every grad it scaled joined its graph
-  (``requires_grad`` true, a ``grad_fn``), the next backward accumulating into a graph grown at each step;
+- a ``max_norm`` tensor that requires grad (a parameter, a schedule's output) given to ``clip_grads_`` or an
+  optimizer's ``clip_grad_norm``: every grad it scaled joined its graph (``requires_grad`` true, a ``grad_fn``),
+  the next backward accumulating into a graph grown at each step;
 - ``error_if_nonfinite='False'`` (a string from a configuration) was true: a non-finite norm raised where the
   caller meant to skip the step. Now refused, naming it, on every rank (the refusal rides in the clip's verdict).
 """
