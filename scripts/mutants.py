@@ -2361,6 +2361,16 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_error_if_nonfinite_given_as_a_string_is_refused_on_every_rank_not_taken_as_true",),
     ),
     Mutant(
+        name="number-beyond-floats-range-overflows",
+        bug="max_norm=10**400 on one rank raised a bare OverflowError there before any collective (float() of a huge "
+        "int), its peers waiting in the norm's all-reduce; norm_type=10**400 likewise",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        except OverflowError:\n",
+        replace="        except ZeroDivisionError:\n",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_numbers_beyond_floats_range_are_infinities_not_a_bare_overflow_on_one_rank",),
+    ),
+    Mutant(
         name="clip-disagreement-lost-crossing-optimizer-instances",
         bug="arguments that differ inside one optimizer instance (told by its summed row) are passed on to the other "
         "instances as this rank's value alone: ranks of an instance that agrees clip, the others do not",

@@ -55,11 +55,16 @@ CLIP_EPSILON = 1e-6
 def real_number(value: object) -> float | None:
     """``value`` as a float when it is a real number, not a bool; else ``None``.
 
-    A real number is a Python or NumPy number, or a one-element real tensor."""
+    A real number is a Python or NumPy number, or a one-element real tensor. One beyond float's
+    range (an int such as ``10**400``, a ``Fraction``) is an infinity of its sign: ``float()``
+    raised a bare ``OverflowError`` before any collective, on the ranks given it alone."""
     if isinstance(value, torch.Tensor):
         return float(value.item()) if _one_real_element(value) else None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf  # type: ignore[operator]  # a real
     return None
 
 
@@ -122,7 +127,9 @@ def norm_type_as_float(norm_type: object) -> float:
     error = norm_type_error(norm_type)
     if error is not None:
         raise error
-    return float(norm_type)  # type: ignore[arg-type]  # a real number: norm_type_error found none
+    p = real_number(norm_type)
+    assert p is not None  # a real number: norm_type_error found none
+    return p
 
 
 def total_norm_as_tensor(total_norm: object, device: torch.device | None) -> torch.Tensor:
@@ -191,10 +198,10 @@ def arguments_of_call(
             f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r} "
             f"({type(error_if_nonfinite).__name__})"
         )
-    p = 2.0 if norm_type_fault is not None else float(norm_type)  # type: ignore[arg-type]
+    p = real_number(norm_type) if norm_type_fault is None else None
     refusal = max_norm_fault or norm_type_fault or flag_fault
     value = real_number(max_norm) if clip and refusal is None else None
-    return Given(p, clip, value, refusal)
+    return Given(2.0 if p is None else p, clip, value, refusal)
 
 
 ARGUMENTS: Final = ("max_norm", "norm_type")

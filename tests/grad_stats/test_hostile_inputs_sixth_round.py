@@ -130,3 +130,34 @@ def test_error_if_nonfinite_given_as_a_string_is_refused_on_every_rank_not_taken
     assert given == "TypeError: error_if_nonfinite must be True or False, got 'False' (str)", given
     assert "another rank holding grads refused its max_norm, norm_type or error_if_nonfinite" in peer, peer
     assert peer_left and given_left
+
+
+def _beyond_floats_on_rank() -> dict[str, object]:
+    layer, pgc = _stage()
+    for param in layer.parameters():
+        param.grad = param.detach() * 3 + 1
+    out: dict[str, object] = {
+        "grads": [p.grad.clone() for p in layer.parameters()],
+        "norm of p 10**400": float(grad_norm(layer, pgc, norm_type=10**400)),
+        "inf-norm": float(grad_norm(layer, pgc, norm_type=math.inf)),
+    }
+    try:
+        clip_grad_norm_(layer, 10**400 if dist.get_rank() == 1 else 1.0, pgc)
+        out["clip"] = ""
+    except (TypeError, ValueError, OverflowError) as exc:
+        out["clip"] = f"{type(exc).__name__}: {exc}"
+    out["unchanged"] = all(bool((p.grad == g).all()) for p, g in zip(layer.parameters(), out["grads"], strict=True))
+    return out
+
+
+def test_numbers_beyond_floats_range_are_infinities_not_a_bare_overflow_on_one_rank() -> None:
+    """``float(10**400)`` raised a bare ``OverflowError`` before any collective on the rank given it (its peers then
+    waited): now an infinity, so ``max_norm=10**400`` is refused by name on every rank and ``norm_type=10**400`` is
+    the inf-norm (a p-norm's limit)."""
+    results = run_world(2, _beyond_floats_on_rank, timeout=30.0)
+    largest = max(float(g.abs().max()) for result in results for g in result["grads"])
+    for rank, result in enumerate(results):
+        assert result["norm of p 10**400"] == result["inf-norm"] == pytest.approx(largest, rel=1e-6), rank
+        assert result["unchanged"], rank
+    assert results[1]["clip"].startswith("ValueError: max_norm must be a positive, finite number, got 1000")
+    assert "another rank holding grads refused its max_norm" in results[0]["clip"], results[0]["clip"]
