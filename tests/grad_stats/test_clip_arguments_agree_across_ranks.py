@@ -30,8 +30,6 @@ from pgregistry.testing import run_world
 LAYOUTS: dict[str, dict[str, int]] = {"replicas": {}, "stages": {"pp": 2}}
 """Two ranks as data-parallel replicas (the verdict's own all-reduce) or as pipeline stages (it rides in the row)."""
 
-DEADLINE = 30.0
-"""Seconds: a rank left waiting in a collective fails the test well before pytest's timeout."""
 
 
 def _grads(rank: int, replicas: bool) -> list[torch.Tensor]:
@@ -69,7 +67,7 @@ def _call_on_rank(layout: str, call: str, arguments: dict[int, dict[str, object]
 
 
 def _run(layout: str, call: str, arguments: dict[int, dict[str, object]]) -> list[tuple[str, bool, float]]:
-    return run_world(2, _call_on_rank, layout, call, arguments, timeout=DEADLINE)
+    return run_world(2, _call_on_rank, layout, call, arguments, timeout=30.0)  # a rank left waiting fails in 30 s
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -155,7 +153,7 @@ def _clip_alike_on_rank(layout: str, max_norm: object) -> tuple[float, list[torc
 def test_the_same_max_norm_given_as_a_float_and_as_a_tensor_clips_as_the_oracle(layout: str) -> None:
     """Equal values agree whatever their type (a one-element tensor on one rank, a float on the other)."""
     want_norm, want = _oracle_clip(layout, 2.0)
-    results = run_world(2, _clip_on_rank_with_a_tensor_on_rank_1, layout, timeout=DEADLINE)
+    results = run_world(2, _clip_on_rank_with_a_tensor_on_rank_1, layout, timeout=30.0)
     for rank, (norm, grads) in enumerate(results):
         assert norm == pytest.approx(want_norm, rel=1e-6)
         for got, expected in zip(grads, want[rank], strict=True):
@@ -199,7 +197,7 @@ def test_the_reduction_makes_the_norm_nan_on_every_rank_where_the_arguments_diff
     clip's coefficient is 1 (``clip_coefficient``); where the arguments agree, the norm's bits are those of the call
     without them."""
     on = CARRIERS[carrier]
-    plain = run_world(2, _reduced_on_rank, on, norm_type, {}, timeout=DEADLINE)
+    plain = run_world(2, _reduced_on_rank, on, norm_type, {}, timeout=30.0)
     assert all(norm_bits != -1 and disagrees is None for norm_bits, disagrees in plain)
     assert (plain[0] == plain[1]) == on  # over no group, each rank's own norm
     for max_norms, disagree in [
@@ -208,7 +206,7 @@ def test_the_reduction_makes_the_norm_nan_on_every_rank_where_the_arguments_diff
         ({0: 1.0, 1: NEXT_AFTER_ONE}, True),
         ({0: 1.0, 1: None}, True),
     ]:
-        got = run_world(2, _reduced_on_rank, on, norm_type, max_norms, timeout=DEADLINE)
+        got = run_world(2, _reduced_on_rank, on, norm_type, max_norms, timeout=30.0)
         for rank, (norm_bits, disagrees) in enumerate(got):
             assert disagrees is disagree, (max_norms, rank)
             assert norm_bits == (-1 if disagree else plain[rank][0]), (max_norms, rank, norm_bits)
@@ -239,7 +237,7 @@ def _instances_on_rank(case: str) -> tuple[str, bool]:
 
 @pytest.mark.parametrize("case", ["one-rank", "one-instance", "refused"])
 def test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank(case: str) -> None:
-    for rank, (error, unchanged) in enumerate(run_world(4, _instances_on_rank, case, timeout=DEADLINE)):
+    for rank, (error, unchanged) in enumerate(run_world(4, _instances_on_rank, case, timeout=30.0)):
         if case == "refused" and rank == 3:
             assert error == "max_norm must be a positive, finite number, got -1.0", error
         elif case == "refused":
