@@ -2286,6 +2286,124 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_compiled_modules.py::"
                "test_a_model_attached_then_compiled_runs_on_its_collection_not_the_global_grid",),
     ),
+    Mutant(
+        name="clip-argument-refused-before-the-reduction",
+        bug="a max_norm or norm_type refused on one rank only raises there before any collective: its peers wait in "
+        "the norm's all-reduce until the group's timeout (docs/reliability.md, hostile inputs, fifth round)",
+        file="pgregistry/grad_stats/_functional.py",
+        find="    try:\n        checked = _check_params_and_plan(params, pg_collection, owner)\n",
+        replace="    if given is not None and given.refusal is not None:\n        raise given.refusal\n"
+        "    try:\n        checked = _check_params_and_plan(params, pg_collection, owner)\n",
+        tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_a_max_norm_refused_on_one_rank_raises_on_every_rank_and_scales_nothing[2.0-stages]",
+               "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_a_norm_type_refused_on_one_rank_of_a_norm_leaves_no_peer_waiting[stages]"),
+    ),
+    Mutant(
+        name="clip-arguments-left-out-of-the-verdict",
+        bug="ranks given different max_norm values clip by different coefficients, their replicas drifting apart "
+        "(docs/reliability.md, hostile inputs, fifth round); a refusal on one rank leaves its peers no error",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    clipping = given if given is not None and given.clip and verdict_groups and wanted.p else None\n",
+        replace="    clipping = None\n",
+        tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_different_max_norms_raise_on_every_rank_and_scale_nothing",
+               "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_a_max_norm_refused_on_one_rank_raises_on_every_rank_and_scales_nothing",
+               "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_the_reduction_makes_the_norm_nan_on_every_rank_where_the_arguments_differ"),
+    ),
+    Mutant(
+        name="summed-clip-arguments-tested-by-divisibility",
+        bug="the summed form's test asks only whether each byte's sum is a multiple of the ranks: two ranks one bit "
+        "apart agree, each scaling by its own coefficient",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        return (squares * self.ranks != sums * sums).reshape(count, 8).any(1)\n",
+        replace="        return (sums % self.ranks != 0).reshape(count, 8).any(1)\n",
+        tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
+               "test_the_summed_form_tells_equal_values_from_any_others_exactly",),
+    ),
+    Mutant(
+        name="norm-type-bytes-unread-by-the-finishing-kernel",
+        bug="the finishing kernel reads max_norm's bytes only: GPU ranks clipping with norm types 1 and 3 (rows of one "
+        "width) scale by a norm that mixes both",
+        file="pgregistry/grad_stats/_triton_kernels.py",
+        find="                byte = tl.arange(0, 16)  # the float64 bytes of max_norm and norm_type\n",
+        replace="                byte = tl.arange(0, 8)  # max_norm's bytes, and their squares at 19 on\n",
+        tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
+               "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[max_norm-1-norm-types-2-and-1]",),
+    ),
+    Mutant(
+        name="clip-arguments-unread-by-the-finishing-kernel",
+        bug="the finishing kernel (CUDA, the 2-norm with the verdict in its row) leaves the norm finite where the "
+        "ranks' max_norm values differ: each GPU rank scales by its own coefficient",
+        file="pgregistry/grad_stats/_triton_kernels.py",
+        find='                norm = tl.where((refused > 0) | (differ > 0), float("nan"), norm)\n',
+        replace="",
+        tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
+               "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits",),
+    ),
+    Mutant(
+        name="norm-type-left-out-of-the-clip-agreement",
+        bug="replicas clipping with norm types 2 and inf each clip by their own norm, silently",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        values = [0.0, max_norm, norm_type, -max_norm, -norm_type]\n",
+        replace="        values = [0.0, max_norm, 2.0, -max_norm, -2.0]\n",
+        tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_different_norm_types_raise_on_every_rank_and_scale_nothing[replicas-2.0-inf]",),
+    ),
+    Mutant(
+        name="max-norm-tensor-joins-the-grads-graph",
+        bug="a max_norm tensor that requires grad (a parameter, a schedule's output) makes every grad it scales part "
+        "of its autograd graph, kept alive and grown at each step (torch's clip runs without grad)",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="    return max_norm.detach().reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm\n",
+        replace="    return max_norm.reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm\n",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_a_max_norm_that_requires_grad_scales_the_grads_without_joining_its_graph[optimizer]",
+               "tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_a_max_norm_that_requires_grad_scales_the_grads_without_joining_its_graph[clip_grads_]"),
+    ),
+    Mutant(
+        name="grad-statistics-recorded-by-autograd",
+        bug="grads made with create_graph=True give a norm with an autograd graph (torch's get_total_norm and "
+        "clip_grad_norm_ run without grad): every logged norm keeps its graph alive",
+        file="pgregistry/grad_stats/_functional.py",
+        find="@torch.no_grad()\ndef _read_and_reduce(",
+        replace="def _read_and_reduce(",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_grads_made_with_create_graph_give_a_norm_without_a_graph_as_torch",),
+    ),
+    Mutant(
+        name="error-if-nonfinite-string-taken-as-true",
+        bug="clip_grad_norm_(..., error_if_nonfinite='False') is true: a non-finite norm raises where the caller "
+        "meant to skip the step",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="    if not isinstance(error_if_nonfinite, bool):\n",
+        replace="    if False:\n",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_error_if_nonfinite_given_as_a_string_is_refused_on_every_rank_not_taken_as_true",),
+    ),
+    Mutant(
+        name="number-beyond-floats-range-overflows",
+        bug="max_norm=10**400 on one rank raised a bare OverflowError there before any collective (float() of a huge "
+        "int), its peers waiting in the norm's all-reduce; norm_type=10**400 likewise",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        except OverflowError:\n",
+        replace="        except ZeroDivisionError:\n",
+        tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
+               "test_numbers_beyond_floats_range_are_infinities_not_a_bare_overflow_on_one_rank",),
+    ),
+    Mutant(
+        name="clip-disagreement-lost-crossing-optimizer-instances",
+        bug="arguments that differ inside one optimizer instance (told by its summed row) are passed on to the other "
+        "instances as this rank's value alone: ranks of an instance that agrees clip, the others do not",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        unknown = (self.differing() | refused).repeat(2)\n",
+        replace="        unknown = refused.repeat(4)\n",
+        tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
+               "test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank[one-rank]",),
+    ),
 )
 
 

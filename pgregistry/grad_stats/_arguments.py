@@ -7,17 +7,34 @@ Every public path (:func:`~pgregistry.grad_stats.clip_grad_norm_`,
 the argument and the value: a string such as ``'1'`` would otherwise reach a comparison with a
 number and raise Python's bare ``TypeError``, or (``float('2')``) be taken silently. The ``*_error``
 forms return the fault instead of raising it, for callers that agree on it across ranks first.
+
+A fault on some ranks only must not leave the others waiting in the norm's reduction, nor may ranks
+given different ``max_norm`` or ``norm_type`` values clip by different coefficients:
+:func:`arguments_of_call` holds a rank's fault instead of raising it, the rank joins the reduction
+with it, and :func:`agreement_columns` puts what it was given in the verdict the clip reduces anyway
+(no collective more); :class:`Agreement` reads the result (see its docstring for what each rank
+does).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import struct
+from typing import Final
 
+import attrs
 import torch
 
 __all__ = [
+    "AGREEMENT_WIDTH_MAX",
+    "AGREEMENT_WIDTH_SUM",
     "CLIP_EPSILON",
+    "Agreement",
+    "Given",
+    "agreement_columns",
+    "arguments_of_call",
     "check_max_norm",
     "norm_type_as_float",
     "max_norm_error",
@@ -38,11 +55,16 @@ CLIP_EPSILON = 1e-6
 def real_number(value: object) -> float | None:
     """``value`` as a float when it is a real number, not a bool; else ``None``.
 
-    A real number is a Python or NumPy number, or a one-element real tensor."""
+    A real number is a Python or NumPy number, or a one-element real tensor. One beyond float's
+    range (an int such as ``10**400``, a ``Fraction``) is an infinity of its sign: ``float()``
+    raised a bare ``OverflowError`` before any collective, on the ranks given it alone."""
     if isinstance(value, torch.Tensor):
         return float(value.item()) if _one_real_element(value) else None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf  # type: ignore[operator]  # a real
     return None
 
 
@@ -92,9 +114,12 @@ def max_norm_scalar(max_norm: float) -> float:
     """A checked ``max_norm``, a one-element tensor of any shape made 0-dim (its fault raised).
 
     A ``[1]``-shaped ``max_norm`` would make the coefficient ``[1]``-shaped, which the scaling
-    kernels refuse after the norm's reduction; a 0-dim tensor stays on its device (no host sync)."""
+    kernels refuse after the norm's reduction; a 0-dim tensor stays on its device (no host sync),
+    detached: one that requires grad (a parameter, a schedule's output) made every grad it scaled
+    part of its autograd graph, kept alive and grown at each step (torch's clip runs without
+    grad)."""
     check_max_norm(max_norm)
-    return max_norm.reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm
+    return max_norm.detach().reshape(()) if isinstance(max_norm, torch.Tensor) else max_norm
 
 
 def norm_type_as_float(norm_type: object) -> float:
@@ -102,7 +127,9 @@ def norm_type_as_float(norm_type: object) -> float:
     error = norm_type_error(norm_type)
     if error is not None:
         raise error
-    return float(norm_type)  # type: ignore[arg-type]  # a real number: norm_type_error found none
+    p = real_number(norm_type)
+    assert p is not None  # a real number: norm_type_error found none
+    return p
 
 
 def total_norm_as_tensor(total_norm: object, device: torch.device | None) -> torch.Tensor:
@@ -136,3 +163,170 @@ def _refuse_negative(total_norm: object, value: float) -> None:
             "total_norm must be a norm: 0 or more (NaN or inf: the grads are left unscaled), "
             f"got {total_norm!r}"
         )
+
+
+@attrs.frozen(slots=True)
+class Given:
+    """A call's ``norm_type`` and ``max_norm`` as given on this rank: checked, their fault held.
+
+    ``refusal`` is the first fault (``max_norm``'s, ``norm_type``'s, ``error_if_nonfinite``'s): the
+    rank still joins the reduction, its norm poisoned and its refusal in the clip's verdict, and
+    raises it afterwards, so a value refused on some ranks only leaves none of their peers waiting
+    in the reduction. ``p`` is the norm type, 2.0 (the default, the row its peers most likely make)
+    where refused; ``max_norm`` the checked value as a float (``None`` without a clip or where
+    refused)."""
+
+    p: float
+    clip: bool
+    max_norm: float | None
+    refusal: Exception | None
+
+
+def arguments_of_call(
+    norm_type: object, max_norm: object, *, clip: bool, error_if_nonfinite: object = False
+) -> Given:
+    """``norm_type`` and (with ``clip``) ``max_norm`` checked, their fault held: :class:`Given`.
+
+    A tensor ``max_norm`` is read on the host here, as :func:`check_max_norm` reads it.
+    ``error_if_nonfinite`` must be a bool: a string such as ``'False'`` (from a configuration) was
+    true, and raised on a non-finite norm where the caller meant to skip the step."""
+    max_norm_fault = max_norm_error(max_norm) if clip else None
+    norm_type_fault = norm_type_error(norm_type)
+    flag_fault = None
+    if not isinstance(error_if_nonfinite, bool):
+        flag_fault = TypeError(
+            f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r} "
+            f"({type(error_if_nonfinite).__name__})"
+        )
+    p = real_number(norm_type) if norm_type_fault is None else None
+    refusal = max_norm_fault or norm_type_fault or flag_fault
+    value = real_number(max_norm) if clip and refusal is None else None
+    return Given(2.0 if p is None else p, clip, value, refusal)
+
+
+ARGUMENTS: Final = ("max_norm", "norm_type")
+"""The arguments ranks must agree on, in the order of :func:`agreement_columns`' values."""
+
+_BYTES: Final = 8 * len(ARGUMENTS)
+"""The float64 bytes of the arguments, each a column of the summed form."""
+
+AGREEMENT_WIDTH_SUM: Final = 1 + 2 * _BYTES
+"""The summed form's width: ``[refused, c_0 .. c_15, c_0**2 .. c_15**2]``, ``c_k`` the bytes."""
+
+AGREEMENT_WIDTH_MAX: Final = 1 + 2 * len(ARGUMENTS)
+"""The maximum's form's width: ``[refused, max_norm, norm_type, -max_norm, -norm_type]``."""
+
+
+@functools.lru_cache(maxsize=16)
+def agreement_columns(
+    max_norm: float | None, norm_type: float, summed: bool, device: torch.device
+) -> torch.Tensor:
+    """What a rank was given to clip with, as columns of the verdict (float64, on ``device``).
+
+    ``max_norm`` ``None`` is a refusal (of either argument). Summed over ``n`` ranks (a row reduced
+    with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 16 bytes of the two arguments' float64
+    bits: every rank was given the same bits exactly when each byte's ``n * sum(c**2) ==
+    sum(c)**2`` (equal terms, by Cauchy-Schwarz); every sum is a whole number below 2**53, the test
+    exact for ``n`` up to 2**23. Reduced with MAX: ``[refused, max_norm, norm_type, -max_norm,
+    -norm_type]`` (``-inf`` but the flag where refused): the largest and the negated smallest. Made
+    once per value and device, so a clip called every step with the same arguments adds no
+    operation but the concatenation (no copy to the device)."""
+    if summed:
+        if max_norm is None:
+            values = [1.0] + [0.0] * (2 * _BYTES)
+        else:
+            chunks = [float(byte) for byte in struct.pack("<2d", max_norm, norm_type)]
+            values = [0.0, *chunks, *(chunk * chunk for chunk in chunks)]
+    elif max_norm is None:
+        values = [1.0] + [-math.inf] * (2 * len(ARGUMENTS))
+    else:
+        values = [0.0, max_norm, norm_type, -max_norm, -norm_type]
+    return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
+
+
+@attrs.frozen(slots=True)
+class Agreement:
+    """The clip's arguments reduced over every rank holding grads: was one refused, do they differ.
+
+    ``columns`` are :func:`agreement_columns` reduced: the summed form over a group of ``ranks``
+    ranks, or the maximum's form (``ranks`` 0). Where either holds, the norm is NaN on every rank
+    (:meth:`disagrees`, on the device: no host sync), so no rank scales a grad. Every rank then
+    raises where the verdict can be read without a device sync (:meth:`fault`); a rank that refused
+    its argument raises that fault in any case."""
+
+    columns: torch.Tensor
+    ranks: int
+
+    def disagrees(self) -> torch.Tensor:
+        """Whether a rank refused its argument or the arguments differ (0-dim bool)."""
+        return (self.columns[0] > 0) | self.differing().any()
+
+    def differing(self) -> torch.Tensor:
+        """Which of :data:`ARGUMENTS` differ across the ranks (bool, one each; no host sync)."""
+        count = len(ARGUMENTS)
+        if not self.ranks:
+            return self.columns[1 : 1 + count] != -self.columns[1 + count :]
+        sums = self.columns[1 : 1 + _BYTES].to(torch.int64)
+        squares = self.columns[1 + _BYTES :].to(torch.int64)
+        return (squares * self.ranks != sums * sums).reshape(count, 8).any(1)
+
+    def as_maximum_form(self, given: Given) -> torch.Tensor:
+        """The summed form as the maximum's, to be reduced with MAX over further groups.
+
+        ``given`` this rank's arguments (the group's where they agree); an argument that differs
+        (every one, where a rank refused) is kept as the range ``[-inf, inf]``: known to differ,
+        its values not."""
+        local = agreement_columns(given.max_norm, given.p, False, self.columns.device)
+        refused = self.columns[:1] > 0
+        # the largest values, then the negated least
+        unknown = (self.differing() | refused).repeat(2)
+        return torch.cat([refused.to(torch.float64), torch.where(unknown, math.inf, local[1:])])
+
+    def fault(self, given: Given, owner: str) -> ValueError | None:
+        """The error every rank raises, or ``None``: reads the columns on the host (a device sync).
+
+        ``None`` too where this rank refused its argument: it raises its own fault, naming it."""
+        if given.refusal is not None:
+            return None
+        values = self.columns.tolist()
+        this = f"max_norm={given.max_norm!r}, norm_type={given.p!r}"
+        if values[0] > 0:
+            return ValueError(
+                f"{owner}: another rank holding grads refused its max_norm, norm_type or "
+                f"error_if_nonfinite (it raises naming the value); this rank was given {this}; no "
+                "grad was scaled on any rank: pass the same valid arguments on every rank"
+            )
+        differ = [
+            f"{name}{spread}"
+            for name, spread in zip(ARGUMENTS, self._argument_spreads(values), strict=True)
+            if spread is not None
+        ]
+        if not differ:
+            return None
+        return ValueError(
+            f"{owner}: {' and '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} across "
+            f"the ranks holding grads; this rank was "
+            f"given {this}: each rank would clip by its own coefficient and the replicas would "
+            "drift apart, so no grad was scaled on any rank: pass the same values on every rank"
+        )
+
+    def _argument_spreads(self, values: list[float]) -> list[str | None]:
+        """Each argument's spread over the ranks (``''`` where unknown), ``None`` where equal."""
+        count = len(ARGUMENTS)
+        if not self.ranks:
+            return [
+                self._range_text(high, -negated_least)
+                for high, negated_least in zip(
+                    values[1 : 1 + count], values[1 + count :], strict=True
+                )
+            ]
+        sums, squares = values[1 : 1 + _BYTES], values[1 + _BYTES :]
+        equal = [self.ranks * int(s2) == int(s1) ** 2 for s1, s2 in zip(sums, squares, strict=True)]
+        return [None if all(equal[8 * k : 8 * k + 8]) else "" for k in range(count)]
+
+    @staticmethod
+    def _range_text(high: float, least: float) -> str | None:
+        """``None`` where every rank was given one value; else its range, ``''`` where unknown."""
+        if high == least:
+            return None
+        return "" if least == -math.inf else f" (from {least!r} to {high!r})"

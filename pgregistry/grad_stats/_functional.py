@@ -15,6 +15,12 @@ Clipping decides job-wide: a NaN or inf seen on any rank that holds grads (the c
 ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances) makes the norm non-finite on
 every rank, so a data-parallel replica whose grads are finite skips, clips or raises exactly as the
 replica whose grads are not.
+
+A ``max_norm`` or ``norm_type`` refused on some ranks only does not leave their peers waiting: the
+refusing rank joins the reduction with a NaN share (and, clipping, a refusal in the verdict), then
+raises; ranks that clip with different valid ``max_norm`` or ``norm_type`` values scale nothing,
+their norm NaN (:class:`~pgregistry.grad_stats._arguments.Agreement`, riding in the verdict: no
+collective more).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pgregistry._runtime.resolve import (
     source_of,
 )
 from pgregistry.collection import ProcessGroupCollection, group_size
+from pgregistry.grad_stats._arguments import Given, arguments_of_call
 from pgregistry.grad_stats._classification import require_classified_experts
 from pgregistry.grad_stats._filters import StatsGroups, is_counted, reduce_group_of
 from pgregistry.grad_stats._lists import check_finite
@@ -42,7 +49,6 @@ from pgregistry.grad_stats._reductions import (
     Clipping,
     Reduced,
     Wanted,
-    check_max_norm,
     reduce_shares,
 )
 
@@ -214,39 +220,84 @@ def _read_reduce_and_clip(
     pg_collection: ProcessGroupCollection | None,
     owner: str,
     wanted: Wanted,
-    max_norm: float | None = None,
+    max_norm: object = None,
     error_if_nonfinite: bool = False,
+    given: Given | None = None,
 ) -> Reduced:
-    """Read, reduce and (with ``max_norm``) clip: the one way down of every entry point.
+    """Read, reduce and (with ``given.clip``) clip: the one way down of every entry point.
 
-    See the module docstring. ``max_norm`` is checked by the caller before any collective."""
+    See the module docstring. ``given`` holds the arguments checked by the caller, their fault
+    raised after the reduction (:func:`_read_and_reduce`), or before it where the call fails on
+    this rank before any collective anyway."""
+    try:
+        checked = _check_params_and_plan(params, pg_collection, owner)
+    except Exception as exc:
+        if given is not None and given.refusal is not None:
+            raise given.refusal from exc
+        raise
+    return _read_and_reduce(checked, owner, wanted, max_norm, error_if_nonfinite, given)[0]
+
+
+def _check_params_and_plan(
+    params: ParamsLike, pg_collection: ProcessGroupCollection | None, owner: str
+) -> CheckedPlan:
+    """What ``params`` are, checked on this rank (tensors without grads refused), and their plan."""
     source = source_of(params)
     _refuse_tensors_without_grads(source, owner)
-    checked = check_plan(source, pg_collection, owner)
-    return _read_and_reduce(checked, owner, wanted, max_norm, error_if_nonfinite)[0]
+    return check_plan(source, pg_collection, owner)
 
 
+@torch.no_grad()
 def _read_and_reduce(
     checked: CheckedPlan,
     owner: str,
     wanted: Wanted,
-    max_norm: float | None = None,
+    max_norm: object = None,
     error_if_nonfinite: bool = False,
+    given: Given | None = None,
 ) -> tuple[Reduced, Read]:
-    """Read the grads of a checked plan once, reduce them and (with ``max_norm``) clip them.
+    """Read the grads of a checked plan once, reduce them and (with ``given.clip``) clip them.
 
-    Returns the reduced statistics and the read."""
+    Returns the reduced statistics and the read. A fault of ``given`` is raised after the
+    reduction, which it joined (:func:`~pgregistry.grad_stats._reductions.reduce_shares`). Without
+    grad, as torch's ``get_total_norm`` and ``clip_grad_norm_``: grads made with
+    ``create_graph=True`` gave a norm with an autograd graph, and their scaling was in it."""
     plan, ordered = checked.plan, checked.params
     read = plan.read(ordered, wanted)  # refuses sparse grads, naming them
-    verdict = verdict_groups(checked.collection, owner) if max_norm is not None else ()
+    clip = given is not None and given.clip
+    verdict = verdict_groups(checked.collection, owner) if clip else ()
     reduced = reduce_shares(
-        read.shares, verdict=verdict, reread=lambda again: plan.read(ordered, again).shares
+        read.shares,
+        verdict=verdict,
+        reread=lambda again: plan.read(ordered, again).shares,
+        given=given,
     )
-    if max_norm is not None:
-        assert reduced.norm64 is not None
+    if given is not None and given.refusal is not None:
+        raise given.refusal
+    if clip:
+        assert given is not None and reduced.norm64 is not None
+        _raise_disagreement(reduced, given, owner, error_if_nonfinite)
         check_finite(reduced.norm64, error_if_nonfinite)
-        read.clip_(Clipping(max_norm, reduced.norm64))
+        read.clip_(Clipping(max_norm, reduced.norm64))  # type: ignore[arg-type]  # checked
     return reduced, read
+
+
+def _raise_disagreement(
+    reduced: Reduced, given: Given, owner: str, error_if_nonfinite: bool
+) -> None:
+    """Raise the clip's arguments' disagreement across ranks, where it costs no device sync.
+
+    Where the verdict lies on the host, or with ``error_if_nonfinite`` (which reads the norm anyway)
+    and a non-finite norm. Elsewhere (a GPU) the norm is NaN on every rank and nothing is scaled."""
+    agreement = reduced.agreement
+    if agreement is None or reduced.norm64 is None:
+        return
+    if agreement.columns.device.type != "cpu":
+        if not error_if_nonfinite or bool(torch.isfinite(reduced.norm64)):
+            return
+    fault = agreement.fault(given, owner)
+    if fault is not None:
+        raise fault
 
 
 def grad_norm(
@@ -289,8 +340,9 @@ def grad_norm(
 
         norm = grad_norm(model, pg)  # the same value on every rank, as on the unsharded model
     """
+    given = arguments_of_call(norm_type, None, clip=False)
     return _read_reduce_and_clip(
-        params, pg_collection, "grad_norm", Wanted.of(norm_type, zeros=False)
+        params, pg_collection, "grad_norm", Wanted(given.p, zeros=False), given=given
     ).norm
 
 
@@ -355,8 +407,9 @@ def grad_norm_and_zeros(
     Raises:
         TypeError: ``norm_type`` or ``max_norm`` not a real number; ``pg_collection`` neither a
             collection nor ``None``.
-        ValueError: ``norm_type`` not positive; ``max_norm`` not positive and finite; as
-            :func:`grad_norm` otherwise.
+        ValueError: ``norm_type`` not positive; ``max_norm`` not positive and finite; with
+            ``max_norm``, the ranks' arguments differing or refused on another rank, as
+            :func:`clip_grad_norm_`; as :func:`grad_norm` otherwise.
         RuntimeError: with ``max_norm`` and ``error_if_nonfinite``, a non-finite norm, on every
             rank.
 
@@ -364,15 +417,17 @@ def grad_norm_and_zeros(
 
         norm, zeros = grad_norm_and_zeros(model, pg, max_norm=1.0)
     """
-    if max_norm is not None:
-        check_max_norm(max_norm)  # before any collective
+    given = arguments_of_call(
+        norm_type, max_norm, clip=max_norm is not None, error_if_nonfinite=error_if_nonfinite
+    )
     reduced = _read_reduce_and_clip(
         params,
         pg_collection,
         "grad_norm_and_zeros",
-        Wanted.of(norm_type, zeros=True),
+        Wanted(given.p, zeros=True),
         max_norm,
         error_if_nonfinite,
+        given,
     )
     assert reduced.zeros is not None
     return reduced.norm if max_norm is None else reduced.clip_norm, reduced.zeros
@@ -410,7 +465,11 @@ def clip_grad_norm_(
         TypeError: ``max_norm`` or ``norm_type`` not a real number (a string such as ``'1.0'``, a
             bool, ``None``); ``pg_collection`` neither a collection nor ``None``.
         ValueError: ``max_norm`` not positive and finite (0, negative, NaN, inf); ``norm_type`` not
-            positive; as :func:`grad_norm` otherwise.
+            positive; the ranks holding grads given different ``max_norm`` or ``norm_type`` values,
+            or another rank refusing its own: on every rank where the grads are on the CPU or with
+            ``error_if_nonfinite`` (on a GPU otherwise the norm is NaN and nothing is scaled, with
+            no host sync); as :func:`grad_norm` otherwise. A refused argument is raised after the
+            norm's reduction, which the rank still joins, so its peers do not wait.
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
 
     Example::
@@ -419,12 +478,15 @@ def clip_grad_norm_(
         if norm.isfinite():
             optimizer.step()
     """
-    check_max_norm(max_norm)  # None too: here it is no "do not clip"
+    given = arguments_of_call(  # max_norm None too: no "do not clip" here
+        norm_type, max_norm, clip=True, error_if_nonfinite=error_if_nonfinite
+    )
     return _read_reduce_and_clip(
         params,
         pg_collection,
         "clip_grad_norm_",
-        Wanted.of(norm_type, zeros=False),
+        Wanted(given.p, zeros=False),
         max_norm,
         error_if_nonfinite,
+        given,
     ).clip_norm

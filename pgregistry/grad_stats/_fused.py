@@ -366,13 +366,18 @@ def finish_rows(
     zeros: bool,
     narrow: bool,
     scale: float,
+    ranks: int = 0,
 ) -> Finished:
     """The 2-norm and the zero count of one or two reduced rows, in one launch.
 
     ``rows`` are contiguous float64 rows of :mod:`pgregistry.grad_stats._reductions` (``[middle,
     zeros, large, small]`` with ``norm``, at least ``[share, zeros]`` without), one or two, on one
     device; ``flags`` the verdict's ``[NaN, inf]`` counts (two contiguous float64 elements) or
-    ``None``; ``scale`` the range columns' scale (a power of two). The reductions' own operations
+    ``None``; ``scale`` the range columns' scale (a power of two); ``ranks``, where positive, says
+    the flags are followed by a clip's arguments in the summed form of
+    :func:`~pgregistry.grad_stats._arguments.agreement_columns` over that many ranks (the norm NaN
+    where they disagree, as :meth:`~pgregistry.grad_stats._arguments.Agreement.disagrees`). The
+    reductions' own operations
     on 0-dim tensors, 20 to 30 launches of a few bytes each (0.19 ms of host time on an H100
     machine), made one (:func:`~pgregistry.grad_stats._triton_kernels.finish_kernel`)."""
     import torch
@@ -396,12 +401,14 @@ def finish_rows(
             first if narrowed is None else narrowed,
             first if clipped is None else clipped,
             float64_bits(scale),
+            ranks,
         ),
         {
             "TWO_ROWS": len(rows) == 2,
             "NORM": norm,
             "ZEROS": zeros,
             "FLAGS": flags is not None,
+            "AGREE": flags is not None and ranks > 0,
             "NARROW": narrowed is not None,
         },
         num_warps=WARPS,

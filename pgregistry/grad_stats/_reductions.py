@@ -53,7 +53,12 @@ from torch.distributed import ProcessGroup
 
 from pgregistry.collection import FIELD_NAMES, GroupName, group_size
 from pgregistry.grad_stats._arguments import (
+    AGREEMENT_WIDTH_MAX,
+    AGREEMENT_WIDTH_SUM,
     CLIP_EPSILON,
+    Agreement,
+    Given,
+    agreement_columns,
     check_max_norm,
     max_norm_scalar,
     norm_type_as_float,
@@ -309,6 +314,8 @@ class Reduced:
     """:attr:`norm` made with ``norm64`` where not ``wide`` (:func:`_finish_in_one_launch`)."""
     clip_narrow: torch.Tensor | None = None
     """:attr:`clip_norm` made with ``norm64`` where not ``wide``."""
+    agreement: Agreement | None = None
+    """The clip's arguments reduced with the verdict (:func:`reduce_shares`' ``given``)."""
 
     @property
     def norm(self) -> torch.Tensor:
@@ -349,6 +356,7 @@ def reduce_shares(
     *,
     verdict: Sequence[ProcessGroup | None] = (),
     reread: Reread | None = None,
+    given: Given | None = None,
 ) -> Reduced:
     """Reduce ``shares`` (see the module docstring; they are consumed) into the global statistics.
 
@@ -363,8 +371,14 @@ def reduce_shares(
     ``p`` alone, the same on every rank (a rank's dtypes are not: a float64 stage beside a float32
     one). Another ``p`` reads the reduced norm on the host (a device sync on CUDA): every rank of
     the reduction groups holds the same norm, so every rank takes the same branch.
+
+    ``given``: the call's arguments on this rank (:class:`~pgregistry.grad_stats._arguments.Given`).
+    Where refused, this rank's shares are NaN (the norm is NaN on every rank of its groups); a
+    clip's, with ``verdict``, ride in the verdict's columns (:func:`agreement_columns`: in the row
+    that carries the flags, else in their all-reduce), and the norm is NaN on every rank where one
+    was refused or the ranks' arguments differ (:attr:`Reduced.agreement` tells which).
     """
-    reduced = _reduce_once(shares, verdict)
+    reduced = _reduce_once(shares, verdict, given)
     p = shares.wanted.p
     if reread is None or p is None or shares.wanted.exact_in_one_reduction:
         return reduced
@@ -417,9 +431,14 @@ def _exact_norm(
     return attrs.evolve(reduced, norm64=peak * scaled, narrow=None, clip_narrow=None)
 
 
-def _reduce_once(shares: Shares, verdict: Sequence[ProcessGroup | None]) -> Reduced:
+def _reduce_once(
+    shares: Shares, verdict: Sequence[ProcessGroup | None], given: Given | None = None
+) -> Reduced:
     """:func:`reduce_shares`' one reduction: the collectives of the module docstring."""
     wanted, device = shares.wanted, shares.device
+    if given is not None and given.refusal is not None:
+        for group in list(shares.by_group):
+            shares.add(group, _poison_part(device))
     for field in sorted(shares.first, key=FIELD_NAMES.index):
         first = shares.first[field]
         block = torch.stack([_local_row(parts, wanted, device) for parts in first.slots])
@@ -428,19 +447,30 @@ def _reduce_once(shares: Shares, verdict: Sequence[ProcessGroup | None]) -> Redu
             shares.add(target, _as_part(row, wanted))
     rows = {group: _local_row(parts, wanted, device) for group, parts in shares.by_group.items()}
     verdict_groups = [group for group in verdict if group is not None and group_size(group) > 1]
-    seen = carrier = None
+    seen = carrier = agreement = None
+    clipping = given if given is not None and given.clip and verdict_groups and wanted.p else None
+    summed = not wanted.infinite  # the carrier row's reduction: SUM, or MAX for the inf-norm
+    carried = 2 + (AGREEMENT_WIDTH_SUM if summed else AGREEMENT_WIDTH_MAX) * (clipping is not None)
     if verdict_groups and wanted.p is not None:
         seen = _local_nonfinite_flags(rows, wanted, device)
         carrier = _same_ranks(verdict_groups[0], rows)
         if (
             carrier is not _NO_GROUP
         ):  # the flags ride in that group's row: every rank of it appends them
-            rows[carrier] = torch.cat([rows[carrier], seen])
+            given_columns = (
+                [agreement_columns(clipping.max_norm, clipping.p, summed, device)]
+                if clipping
+                else []
+            )
+            rows[carrier] = torch.cat([rows[carrier], seen, *given_columns])
             verdict_groups = verdict_groups[1:]
     reduced = _reduce_rows(rows, wanted)
+    if clipping is not None and carrier is not _NO_GROUP:
+        ranks = group_size(carrier) if summed else 0
+        agreement = Agreement(reduced[carrier][2 - carried :], ranks)
     if seen is None or (carrier is not _NO_GROUP and not verdict_groups):
-        carried = reduced[carrier][-2:] if seen is not None else None
-        finished = _finish_in_one_launch(list(reduced.values()), carried, wanted, shares)
+        riding = reduced[carrier][-carried:] if seen is not None else None
+        finished = _finish_in_one_launch(list(reduced.values()), riding, wanted, shares, agreement)
         if finished is not None:
             return finished
     zeros = None
@@ -470,28 +500,44 @@ def _reduce_once(shares: Shares, verdict: Sequence[ProcessGroup | None]) -> Redu
         flags.append(torch.stack([nan, torch.zeros_like(nan)]))
     if seen is not None:
         if carrier is not _NO_GROUP:
-            flags.append(reduced[carrier][-2:])
+            flags.append(reduced[carrier][-carried:][:2])
         if verdict_groups:
             seen = torch.maximum(seen, _nonfinite_flags(norm))
+            if clipping is not None:  # after the carrier's (summed or not), or alone
+                local = (
+                    agreement.as_maximum_form(clipping)
+                    if agreement is not None
+                    else agreement_columns(clipping.max_norm, clipping.p, False, device)
+                )
+                seen = torch.cat([seen, local])
             for group in verdict_groups:
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+            if clipping is not None:
+                agreement, seen = Agreement(seen[2:], 0), seen[:2]
             flags.append(seen)
     if flags:
         nan, inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
         norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, norm))
-    return Reduced(norm64=norm, zeros=zeros, wide=shares.wide)
+    if agreement is not None:
+        norm = torch.where(agreement.disagrees(), math.nan, norm)
+    return Reduced(norm64=norm, zeros=zeros, wide=shares.wide, agreement=agreement)
 
 
 def _finish_in_one_launch(
-    rows: list[torch.Tensor], flags: torch.Tensor | None, wanted: Wanted, shares: Shares
+    rows: list[torch.Tensor],
+    flags: torch.Tensor | None,
+    wanted: Wanted,
+    shares: Shares,
+    agreement: Agreement | None,
 ) -> Reduced | None:
     """:func:`_reduce_once`'s results from its reduced ``rows`` in one kernel launch, where it can.
 
     On CUDA with the one-read kernels, for the 2-norm and the zero count (what training calls),
     one or two rows (the dense and the expert reduction group), ``flags`` the verdict's counts
-    riding in a row: :func:`~pgregistry.grad_stats._fused.finish_rows`, the same operations as the
-    lines after this call in :func:`_reduce_once` and the same bits, in one launch instead of 20 to
-    30. ``None`` elsewhere: those lines run."""
+    riding in a row (followed by ``agreement``'s summed columns, where given):
+    :func:`~pgregistry.grad_stats._fused.finish_rows`, the same operations as the lines after this
+    call in :func:`_reduce_once` and the same bits, in one launch instead of 20 to 30. ``None``
+    elsewhere: those lines run."""
     if not (wanted.ranged or (wanted.p is None and wanted.zeros)) or not 1 <= len(rows) <= 2:
         return None
     if not can_run_fused_stats(shares.device) or not all(row.is_contiguous() for row in rows):
@@ -503,9 +549,15 @@ def _finish_in_one_launch(
         zeros=wanted.zeros,
         narrow=not shares.wide,
         scale=_RANGE_SCALE,
+        ranks=agreement.ranks if agreement is not None else 0,
     )
     return Reduced(
-        finished.norm64, finished.zeros, shares.wide, finished.narrow, finished.clip_narrow
+        finished.norm64,
+        finished.zeros,
+        shares.wide,
+        finished.narrow,
+        finished.clip_narrow,
+        agreement,
     )
 
 
@@ -516,6 +568,13 @@ _FLAG: Final = 2
 
 def _float64_zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.float64, device=device)
+
+
+def _poison_part(device: torch.device) -> torch.Tensor:
+    """The part a rank that refused its argument adds to each group: a NaN share, no zero."""
+    part = _float64_zeros(2, device)
+    part[_NORM] = math.nan
+    return part
 
 
 def _column_total(rows: Sequence[torch.Tensor], column: int, device: torch.device) -> torch.Tensor:

@@ -170,7 +170,7 @@ def _scale_span(first, count, coeff, BLOCK: tl.constexpr, ITERS: tl.constexpr): 
         tl.store(first + offsets, (x.to(tl.float32) * coeff).to(x.dtype), mask=inside)
 
 
-@triton.jit(do_not_specialize=["scale_bits"])
+@triton.jit(do_not_specialize=["scale_bits", "ranks"])
 def finish_kernel(
     first_row_ptr,
     second_row_ptr,
@@ -180,10 +180,12 @@ def finish_kernel(
     narrow_ptr,
     clip_narrow_ptr,
     scale_bits,
+    ranks,
     TWO_ROWS: tl.constexpr,  # noqa: N803
     NORM: tl.constexpr,  # noqa: N803
     ZEROS: tl.constexpr,  # noqa: N803
     FLAGS: tl.constexpr,  # noqa: N803
+    AGREE: tl.constexpr,  # noqa: N803
     NARROW: tl.constexpr,  # noqa: N803
 ):
     """One program: the reduced rows of a 2-norm or zero-count call made its results.
@@ -191,7 +193,10 @@ def finish_kernel(
     The rows are float64 ``[middle, zeros, large, small]`` (``NORM``, the 2-norm's squares by range)
     or ``[0, zeros]`` (the zero count alone); with ``TWO_ROWS`` the second row's columns are added
     to the first's (one addition each, as torch's sum of two). ``FLAGS``: ``flags_ptr`` holds the
-    verdict's ``[NaN, inf]`` counts. It writes the 2-norm (float64; the range columns combined as
+    verdict's ``[NaN, inf]`` counts, with ``AGREE`` followed by a clip's arguments summed over
+    ``ranks`` ranks (``[refused, 16 byte sums, 16 sums of squares]``: the norm NaN where one was
+    refused or a byte's ``ranks * squares != sums**2``, as ``Agreement.disagrees``). It writes the
+    2-norm (float64; the range columns combined as
     :func:`~pgregistry.grad_stats._reductions._two_norm_from_ranges` does, ``S`` given as the bits
     of its float64 value, then the flags), with ``NARROW`` that norm in float32 and the clip's
     float32 norm (the largest float32 where the float64 norm is finite beyond float32's range), and
@@ -225,6 +230,13 @@ def finish_kernel(
             nan = tl.load(flags_ptr)
             inf = tl.load(flags_ptr + 1)
             norm = tl.where(nan > 0, float("nan"), tl.where(inf > 0, float("inf"), norm))
+            if AGREE:
+                refused = tl.load(flags_ptr + 2)
+                byte = tl.arange(0, 16)  # the float64 bytes of max_norm and norm_type
+                sums = tl.load(flags_ptr + 3 + byte).to(tl.int64)
+                squares = tl.load(flags_ptr + 19 + byte).to(tl.int64)
+                differ = tl.sum((squares * ranks != sums * sums).to(tl.int32), axis=0)
+                norm = tl.where((refused > 0) | (differ > 0), float("nan"), norm)
         tl.store(norm_ptr, norm)
         if NARROW:
             tl.store(narrow_ptr, norm.to(tl.float32))
