@@ -332,7 +332,7 @@ def direct_launch_checks(device: torch.device) -> list[Check]:
                     wrong.append(f"[{start}:{start + count}] {launch}: {float(squares)}, {int(zeros)} for {want}")
     kinds = len(optional_kernels._COMPILED)
     return [("triton kernels launched directly: every argument kind read right twice, triton launched once a kind",
-             not wrong and len(through_triton) == kinds, f"wrong {wrong}; {len(through_triton)} through triton, "
+             not wrong and len(through_triton) == kinds >= 3, f"wrong {wrong}; {len(through_triton)} through triton, "
              f"{kinds} kinds")]
 
 

@@ -199,7 +199,9 @@ def _current_stream(device: torch.device) -> int:
 
 
 def _launch_hooks_set() -> bool:
-    """Whether triton's launch hooks are set: they see every launch, so launch through triton."""
+    """Whether triton's launch hooks are set: they see every launch, so launch through triton.
+
+    A hook is a chain of callables (triton 3.4 on: set when it holds one) or a callable."""
     import triton
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -208,4 +210,4 @@ def _launch_hooks_set() -> bool:
 
         runtime = CompiledKernel
     hooks = [getattr(runtime, f"launch_{end}_hook", None) for end in ("enter", "exit")]
-    return hooks != [None, None]
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)

@@ -5,7 +5,7 @@ for free; on CUDA it is not read unless ``error_if_nonfinite`` (which reads the 
 (pipeline stages: the verdict in the norm's row) or the torch path (replicas: its own all-reduce) makes the norm NaN,
 and the clip kernel scales nothing. Two gloo ranks on one GPU (gloo reduces CUDA tensors; NCCL takes one GPU per
 rank). Skipped without CUDA: run on a GPU machine, alone (its ranks are forked, so no earlier test of the process may
-have initialised CUDA)::
+have initialised CUDA; the availability check asks NVML, which does not)::
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/grad_stats/test_clip_arguments_agree_on_cuda.py
 """
@@ -13,6 +13,11 @@ have initialised CUDA)::
 from __future__ import annotations
 
 import math
+import os
+
+# torch's own availability check initialises CUDA's driver in this process, after which a forked rank cannot
+# use CUDA ("Cannot re-initialize CUDA in forked subprocess"); NVML's check leaves it alone.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import pytest
 import torch
