@@ -44,25 +44,22 @@ def cuda_index(device: torch.device) -> int:
 def probe_kernel(
     index: int, probe: Callable[[torch.device], object], want: object, *, event: str, kernel: str
 ) -> bool:
-    """Whether ``probe`` (launches of ``kernel`` on GPU ``index``) runs and returns ``want``, twice.
+    """Whether ``probe`` (a launch of ``kernel`` on GPU ``index``) runs and returns ``want``.
 
-    The first time each launch goes through triton, the second through the compiled launcher
-    (:func:`launch_kernel`), so both ways are proven before either serves a caller. ``False`` with a
-    warning ``event`` where it raises; a ``RuntimeError`` where it returns anything else. Callers
-    cache the answer per device."""
+    ``False`` with a warning ``event`` where it raises; a ``RuntimeError`` where it returns anything
+    else. Callers cache the answer per device."""
     import torch
 
     from pgregistry._runtime.logger import get_logger
 
     device = torch.device("cuda", index)
-    for way in ("through triton", "through its compiled launcher"):
-        try:
-            got = probe(device)
-        except Exception as error:  # a compiler or driver failure: keep the torch path, say so
-            get_logger(__name__).warning(event, device=str(device), error=repr(error), launch=way)
-            return False
-        if got != want:
-            raise RuntimeError(f"{kernel} gave {got} on {device} launched {way}, not {want}")
+    try:
+        got = probe(device)
+    except Exception as error:  # a compiler or driver failure: keep the torch path, and say so
+        get_logger(__name__).warning(event, device=str(device), error=repr(error))
+        return False
+    if got != want:
+        raise RuntimeError(f"{kernel} gave {got} on {device}, not {want}")
     return True
 
 
