@@ -77,7 +77,6 @@ from fixtures.unsharded_oracle import oracle_norm, oracle_numel, oracle_zeros  #
 import pgregistry.optim._mixed_precision  # noqa: E402
 import pgregistry.optim._sharded  # noqa: E402
 from pgregistry import registry  # noqa: E402
-from pgregistry._runtime import optional_kernels  # noqa: E402
 from pgregistry.cli._options import positive_seconds  # noqa: E402
 from pgregistry.cli._torchrun_checks import Check, run_checks  # noqa: E402
 from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E402
@@ -88,13 +87,7 @@ from pgregistry.grad_stats import (  # noqa: E402
     grad_norm,
     grad_norm_and_zeros,
 )
-from pgregistry.grad_stats._fused import (  # noqa: E402
-    can_run_fused_stats,
-    clip_over_,
-    launch_of,
-    scale_,
-    span_squares_and_zeros,
-)
+from pgregistry.grad_stats._fused import can_run_fused_stats, clip_over_, launch_of, scale_  # noqa: E402
 from pgregistry.grad_stats._reductions import Wanted, clip_coefficient  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 from pgregistry.optim import (  # noqa: E402
@@ -297,43 +290,8 @@ def stats_api_checks(world: int, device: torch.device) -> list[Check]:
                    close(returned, want_norm) and worst < 1e-6, f"max error {worst:.2e}"))
     return (
         checks + kept_grads_checks(device) + fsdp_checks(world, device) + scale_kernel_checks(device)
-        + exact_norm_checks(device) + finish_kernel_checks(model, pg, device) + direct_launch_checks(device)
+        + exact_norm_checks(device) + finish_kernel_checks(model, pg, device)
     )
-
-
-def direct_launch_checks(device: torch.device) -> list[Check]:
-    """The kernels launched through their compiled launchers (``optional_kernels.launch_kernel``).
-
-    Each kind of arguments triton specializes on (a base at a 16-byte address or not, an element count of 1, a
-    multiple of 16 or neither) is read twice, the first launch through triton, the second direct, each giving the
-    float64 oracle's sum of squares and zero count; triton launched once a kind. A launch key blind to one of those
-    facts would run a kernel compiled for another kind (vector loads off their alignment, or arguments out of
-    place)."""
-    if device.type != "cuda" or not can_run_fused_stats(device):
-        return []
-    whole = torch.randn(5000, generator=torch.Generator(device=device).manual_seed(11), device=device)
-    whole[::7] = 0.0
-    through_triton = []
-    real = optional_kernels._first_launch
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        through_triton.append(args[1:2])
-        return real(*args, **kwargs)
-
-    wrong = []
-    optional_kernels._COMPILED.clear()
-    with mock.patch.object(optional_kernels, "_first_launch", counting):
-        for start, count in ((0, 4096), (1, 4096), (3, 1), (4, 1), (8, 1000), (5, 333), (4, 4095)):
-            view = whole[start : start + count]
-            want = (float((view.double() ** 2).sum()), int((view == 0).sum()))
-            for launch in ("through triton", "direct"):
-                squares, zeros = span_squares_and_zeros(view)
-                if not math.isclose(float(squares), want[0], rel_tol=1e-12) or int(zeros) != want[1]:
-                    wrong.append(f"[{start}:{start + count}] {launch}: {float(squares)}, {int(zeros)} for {want}")
-    kinds = len(optional_kernels._COMPILED)
-    return [("triton kernels launched directly: every argument kind read right twice, triton launched once a kind",
-             not wrong and len(through_triton) == kinds >= 3, f"wrong {wrong}; {len(through_triton)} through triton, "
-             f"{kinds} kinds")]
 
 
 def finish_kernel_checks(model: torch.nn.Module, pg: Any, device: torch.device) -> list[Check]:

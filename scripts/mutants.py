@@ -101,30 +101,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        name="launch-kind-blind-to-alignment",
-        bug="a Triton kernel compiled for a 16-byte aligned tensor launched directly on a misaligned one (vector "
-        "loads off their alignment)",
-        file="pgregistry/_runtime/optional_kernels.py",
-        find="return (value.dtype, value.data_ptr() % 16 == 0)",
-        replace="return (value.dtype,)",
-        tests=(
-            "tests/grad_stats/test_kernel_launch_kinds.py::"
-            "test_arguments_of_one_kind_get_one_specialization_from_triton",
-        ),
-    ),
-    Mutant(
-        name="launch-kind-blind-to-an-int-of-one",
-        bug="a Triton kernel compiled with an int argument of 1 (a constant, left out of its launcher's arguments) "
-        "launched directly with another int: every later argument one place off",
-        file="pgregistry/_runtime/optional_kernels.py",
-        find="return (int, value == 1, value % 16 == 0, _integer_type(value))",
-        replace="return (int, value % 16 == 0, _integer_type(value))",
-        tests=(
-            "tests/grad_stats/test_kernel_launch_kinds.py::"
-            "test_arguments_of_one_kind_get_one_specialization_from_triton",
-        ),
-    ),
-    Mutant(
         name="negative-norm-clip-coefficient",
         bug="a negative total_norm on a device (not read back) clips by a negative coefficient: every grad flipped",
         file="pgregistry/grad_stats/_reductions.py",

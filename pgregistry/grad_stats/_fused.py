@@ -40,7 +40,7 @@ import attrs
 
 from pgregistry._runtime.optional_kernels import (
     cuda_index,
-    launch_kernel,
+    launch_on,
     optional_kernels,
     probe_kernel,
 )
@@ -183,19 +183,19 @@ def _launch_squares_and_zeros(
 
     pairs = torch.empty((programs, 2), dtype=torch.float64, device=x.device)
     table, offsets = (x, x) if tables is None else tables
-    launch_kernel(
-        _require_kernels().squares_and_zeros_kernel,
-        programs,
-        x.device,
-        (x, n, table, offsets, pairs),
-        {
-            "TABLE": tables is not None,
-            "BLOCK": block,
-            "ITERS": iters,
-            "VEC": _vector_width(x.dtype),
-        },
-        num_warps=WARPS,
-    )
+    with launch_on(x.device):
+        _require_kernels().squares_and_zeros_kernel[(programs,)](
+            x,
+            n,
+            table,
+            offsets,
+            pairs,
+            TABLE=tables is not None,
+            BLOCK=block,
+            ITERS=iters,
+            VEC=_vector_width(x.dtype),
+            num_warps=WARPS,
+        )
     return pairs.sum(0)
 
 
@@ -321,29 +321,22 @@ def _scale_launch(
     ``max_norm`` over the norm ``value``."""
     if launch.table is None:
         return
-    base = tensors[launch.base]
-    launch_kernel(
-        _require_kernels().scale_kernel,
-        launch.table.shape[0],
-        base.device,
-        (
-            base,
+    with launch_on(tensors[0].device):
+        _require_kernels().scale_kernel[(launch.table.shape[0],)](
+            tensors[launch.base],
             0,
             launch.table,
             launch.offsets,
             value,
             float64_bits(max_norm or 0.0),
             _epsilon_bits(),
-        ),
-        {
-            "FROM_NORM": max_norm is not None,
-            "TABLE": True,
-            "BLOCK": launch.block,
-            "ITERS": launch.iters,
-            "VEC": _vector_width(base.dtype),
-        },
-        num_warps=WARPS,
-    )
+            FROM_NORM=max_norm is not None,
+            TABLE=True,
+            BLOCK=launch.block,
+            ITERS=launch.iters,
+            VEC=_vector_width(tensors[0].dtype),
+            num_warps=WARPS,
+        )
 
 
 @attrs.frozen(slots=True)
@@ -388,11 +381,8 @@ def finish_rows(
     narrowed = torch.empty((), dtype=torch.float32, device=device) if norm and narrow else None
     clipped = torch.empty((), dtype=torch.float32, device=device) if norm and narrow else None
     first = rows[0]
-    launch_kernel(
-        _require_kernels().finish_kernel,
-        1,
-        device,
-        (
+    with launch_on(device):
+        _require_kernels().finish_kernel[(1,)](
             first,
             rows[-1],
             first if flags is None else flags,
@@ -402,17 +392,13 @@ def finish_rows(
             first if clipped is None else clipped,
             float64_bits(scale),
             ranks,
-        ),
-        {
-            "TWO_ROWS": len(rows) == 2,
-            "NORM": norm,
-            "ZEROS": zeros,
-            "FLAGS": flags is not None,
-            "AGREE": flags is not None and ranks > 0,
-            "NARROW": narrowed is not None,
-        },
-        num_warps=WARPS,
-    )
+            TWO_ROWS=len(rows) == 2,
+            NORM=norm,
+            ZEROS=zeros,
+            FLAGS=flags is not None,
+            AGREE=flags is not None and ranks > 0,
+            NARROW=narrowed is not None,
+        )
     return Finished(norm64, count, narrowed, clipped)
 
 

@@ -52,7 +52,7 @@ import torch
 
 from pgregistry._runtime.optional_kernels import (
     cuda_index,
-    launch_kernel,
+    launch_on,
     optional_kernels,
     probe_kernel,
 )
@@ -402,14 +402,18 @@ class FusedStep:
             plan.out if plan.out is not None else args[0],
             plan.table if plan.table is not None else args[0],
         ]
-        launch_kernel(
-            getattr(kernels, kernel),
-            self._programs,
-            self.flat.device,
-            (*args, self.flat.numel(), *scalars),
-            {**flags, "COPY": copy, "BLOCK": self._block, "ITERS": self._iters, "VEC": VEC},
-            num_warps=self._warps,
-        )
+        with launch_on(self.flat.device):
+            getattr(kernels, kernel)[(self._programs,)](
+                *args,
+                self.flat.numel(),
+                *scalars,
+                **flags,
+                COPY=copy,
+                BLOCK=self._block,
+                ITERS=self._iters,
+                VEC=VEC,
+                num_warps=self._warps,
+            )
         for tensor in [*written, *(c.out for c in plan.written)]:
             torch.autograd.graph.increment_version(tensor)
 
