@@ -248,7 +248,9 @@ class Assigned(NamedTuple):
 
     ``statement``: the method's top-level simple statement that assigns it (-1: in a block, or
     declared in the body, ``method`` empty); ``early``: whether it is above any call of a method of
-    ``self`` there (which may read it before it is set), a declaration always."""
+    ``self`` there (which may read it before it is set), and its class is not one whose
+    construction may call one first otherwise (:attr:`TreeFacts.set_late`), a declaration
+    always."""
 
     attribute: str
     method: str
@@ -412,8 +414,13 @@ class _Locator(cst.CSTVisitor):
     The functions with their bindings, the scanner's call sites, every dotted call, and the
     ``self.<name> = ...`` assignments per class."""
 
-    def __init__(self, sites: Iterable[Site], name: str) -> None:
+    def __init__(
+        self, sites: Iterable[Site], name: str, late: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__()
+        #: Classes whose ``__init__`` may call a method before its collection attribute is set
+        #: (:attr:`TreeFacts.set_late`).
+        self.late = late
         self.by_position: dict[tuple[int, int], Site] = {
             (site.line, site.col - 1): site for site in sites if site.form == CALL
         }
@@ -643,8 +650,10 @@ class _Locator(cst.CSTVisitor):
             # Where every later statement finds it set: a top-level simple statement (-1: in a
             # block); early: above any call of a method of self, which may read it.
             index = self.statement[-1] if self._at_the_top_of(function) else -1
-            early = index >= 0 and (
-                function.calls_self_at is None or function.calls_self_at > index
+            early = (
+                index >= 0
+                and (function.calls_self_at is None or function.calls_self_at > index)
+                and function.method_of.name.value not in self.late
             )
             self.attributes[id(function.method_of)].append(
                 Assigned(target.attr.value, function.node.name.value, index, early)
@@ -1472,7 +1481,7 @@ def plan_file(
     site_lines = sorted({site.line for site in sites})
     wanted = {i for i, (start, end) in enumerate(spans) if has_line_within(site_lines, start, end)}
     call_lines = {site.line for site in sites if site.form == CALL}
-    locator = _Locator(sites, name)
+    locator = _Locator(sites, name, facts.set_late)
     locator.wanted = wanted
     _skip_placeholders(locator, source.body, statements)
     pattern = collection_mentions(name)
@@ -1502,7 +1511,7 @@ def plan_file(
         locator.met.get(unit, 0) != len(o) for unit, o in locator.order.items()
     ):
         locator = _Locator(
-            sites, name
+            sites, name, facts.set_late
         )  # the ast's calls are not the tree's: libcst's own positions, slowly
         locator.wanted = wanted
         _skip_placeholders(locator, source.body, statements)
