@@ -2262,6 +2262,47 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_compiled_modules.py::"
                "test_a_model_attached_then_compiled_runs_on_its_collection_not_the_global_grid",),
     ),
+    # migrate7: when the rewrite trusts ``self.pg_collection`` set by ``__init__``.
+    Mutant(
+        name="migrate-trusts-an-attribute-set-after-super-init",
+        bug="a base __init__ reached through super().__init__ calls a method the subclass overrides before the "
+        "subclass sets self.pg_collection: the rewritten method reads it unset, AttributeError",
+        file="pgregistry/migrate/_init_order.py",
+        find='if callee == "super" and not (quiet_super and _super_init_call(root, sub)):',
+        replace='if callee == "super" and not _super_init_call(root, sub):',
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr",),
+    ),
+    Mutant(
+        name="migrate-trusts-an-attribute-a-subclass-may-read-first",
+        bug="a subclass __init__ calls a reading method before super().__init__ sets self.pg_collection: "
+        "AttributeError in the rewrite",
+        file="pgregistry/migrate/_init_order.py",
+        find="            return _may_call_back([*init.body[:index], *arguments], self_name, methods, False)\n    return True",
+        replace="            return False\n    return False",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr",),
+    ),
+    Mutant(
+        name="migrate-trusts-an-attribute-after-self-is-handed-on",
+        bug="__init__ hands self to a helper (or loads a property) that calls a reading method before "
+        "self.pg_collection is set: AttributeError in the rewrite",
+        file="pgregistry/migrate/_init_order.py",
+        find="            return True  # ``self`` handed on",
+        replace="            pass",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr",),
+    ),
+    Mutant(
+        name="migrate-distrusts-every-base-init",
+        bug="every super().__init__ before the assignment counts as calling back, so MegatronModule's subclasses "
+        "read self.pg_collection through getattr (sound, but not the least conservative rule)",
+        file="pgregistry/migrate/_init_order.py",
+        find='QUIET_OUTSIDE = frozenset({"object", "Module", "ABC", "Generic", "Protocol"})',
+        replace="QUIET_OUTSIDE = frozenset()",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_a_quiet_base_init_is_read_as_set",),
+    ),
 )
 
 

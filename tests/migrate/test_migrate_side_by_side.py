@@ -816,3 +816,34 @@ def test_a_collection_attribute_set_after_a_quiet_base_init_is_read_as_set(tmp_p
     seen = _side_by_side(tmp_path, files, expressions, outside=outside)
     assert seen == dict(zip(expressions, ["3", "3", "'Layer'"], strict=True)), seen
     assert 'pg_rank(self.pg_collection, "tp")' in (tmp_path / "migrated" / "pkg" / "model.py").read_text()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a caller outside the tree that passes pg_collection= into a threaded function's forwarded **kwargs "
+    "has it taken by the new parameter: no rewrite can tell its keyword from a rewritten caller's "
+    "(docs/migrating.md, 'Limits, by design')",
+)
+def test_a_collection_an_outside_caller_passes_into_forwarded_kwargs_still_reaches_the_callee(tmp_path: Path) -> None:
+    """``build(**kwargs)`` reads the grid and forwards its ``kwargs`` to a layer that takes ``pg_collection``; a
+    caller outside the tree passes ``pg_collection=`` for the layer. The new keyword-only parameter takes it, and the
+    layer, given none, builds on the global grid. Popping it from ``kwargs`` is the same thing; leaving it there
+    sends a rewritten caller's collection, which the original never passed, into the forwarded call."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/build.py": """
+            from megatron.core import parallel_state as ps
+
+            class Layer:
+                def __init__(self, pg_collection=None):
+                    self.group = "global" if pg_collection is None else pg_collection
+
+            def build(**kwargs):
+                size = ps.get_tensor_model_parallel_world_size()
+                return size, Layer(**kwargs).group
+        """,
+    }
+    outside = {"user.py": "from pkg.build import build\n\ndef run():\n    return build(pg_collection='mine')\n"}
+    expression = "__import__('user').run()"
+    seen = _side_by_side(tmp_path, files, [expression], settings=("with",), outside=outside)
+    assert seen == {expression: repr((4, "mine"))}
