@@ -62,6 +62,7 @@ from pgregistry._source.scanner import (
     absolute_module,
     attribute_chain,
 )
+from pgregistry.migrate._caught import CAUGHT_REASON, calls_a_handler_may_catch
 from pgregistry.migrate._facts import names_bound_twice, spec_field_of_call
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
@@ -1552,6 +1553,7 @@ def plan_file(
     }
     ambiguous = [read for read in legacy if _call_head_name(read) in heads]
     scopes = _statement_scopes(source, ambiguous) if ambiguous else {}
+    caught = calls_a_handler_may_catch(module_syntax)
     for read in reads:  # first, as a shim's local named like the collection is no collection then
         if read.call is not None and read.site.family == SHIM and read.function is not None:
             kept = (kept_shims or {}).get((read.site.line, read.site.col))
@@ -1567,6 +1569,8 @@ def plan_file(
             reason = read.reason
         if reason is None and read.site.family == LEGACY:
             reason = _not_parallel_state(read, scopes, facts, package)
+        if reason is None and (read.site.line, read.site.col) in caught:
+            reason = CAUGHT_REASON
         if reason is None and read.function is None:
             reason = (
                 _MODULE_LEVEL

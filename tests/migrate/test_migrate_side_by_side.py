@@ -76,6 +76,9 @@ class NotInstalled:
 
 if sys.argv[2] == "without":
     sys.meta_path.insert(0, NotInstalled())
+if sys.argv[2] == "errors":  # with Megatron-Core, warnings as errors (as docs/migrating.md asks of a test suite)
+    import warnings
+    warnings.simplefilter("error")
 outcomes = {}
 for expression in json.loads(sys.argv[1]):
     try:
@@ -847,3 +850,43 @@ def test_a_collection_an_outside_caller_passes_into_forwarded_kwargs_still_reach
     expression = "__import__('user').run()"
     seen = _side_by_side(tmp_path, files, [expression], settings=("with",), outside=outside)
     assert seen == {expression: repr((4, "mine"))}
+
+
+def test_a_read_whose_try_may_catch_the_fallback_warning_stays(tmp_path: Path) -> None:
+    """Under warnings as errors (``-W error::pgregistry.ProcessGroupFallbackWarning``, docs/migrating.md step 3) a
+    rewritten read that falls back raises its warning where it is: inside ``try: ... except Exception:`` (Megatron-
+    Bridge 0.6.2's ``preprocess_packed_batch``: ``is_first_pp_stage = True`` on every pipeline stage) or ``with
+    suppress(Exception):`` the handler took it, so the code took its other path and the fallback went unreported.
+    Such a read stays; one whose handler cannot catch a warning is rewritten."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/stages.py": """
+            from contextlib import suppress
+
+            from megatron.core import parallel_state
+
+            def first():
+                try:
+                    return parallel_state.is_pipeline_first_stage()
+                except Exception:
+                    return "handler"
+
+            def rank():
+                value = "suppressed"
+                with suppress(Warning):
+                    value = parallel_state.get_tensor_model_parallel_rank()
+                return value
+
+            def size():
+                try:
+                    return parallel_state.get_tensor_model_parallel_world_size()
+                except (ImportError, AttributeError):
+                    return "handler"
+        """,
+    }
+    stages = "__import__('pkg.stages').stages"
+    expressions = [f"{stages}.first()", f"{stages}.rank()", f"{stages}.size()"]
+    seen = _side_by_side(tmp_path, files, expressions[:2], settings=("with", "errors"))
+    assert seen == dict(zip(expressions[:2], ["True", "3"], strict=True)), seen
+    migrated = (tmp_path / "migrated" / "pkg" / "stages.py").read_text()
+    assert 'pg_size(pg_collection, "tp")' in migrated and "parallel_state.is_pipeline_first_stage()" in migrated
