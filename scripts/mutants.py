@@ -2278,7 +2278,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a subclass __init__ calls a reading method before super().__init__ sets self.pg_collection: "
         "AttributeError in the rewrite",
         file="pgregistry/migrate/_init_order.py",
-        find="            return _may_call_back([*init.body[:index], *arguments], self_name, methods, False)\n    return True",
+        find="            return _may_call_back([*init.body[:index], *arguments], self_name, methods, False)\n"
+        "    return True",
         replace="            return False\n    return False",
         tests=("tests/migrate/test_migrate_side_by_side.py::"
                "test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr",),

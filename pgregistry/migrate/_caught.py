@@ -41,7 +41,7 @@ def calls_a_handler_may_catch(module: ast.Module) -> frozenset[tuple[int, int]]:
         if isinstance(node, _TRIES) and any(_may_catch(h.type) for h in node.handlers):
             body = node.body
         elif isinstance(node, ast.With | ast.AsyncWith) and any(
-            _suppresses(item.context_expr) for item in node.items
+            _suppresses_a_warning(item.context_expr) for item in node.items
         ):
             body = node.body
         else:
@@ -69,14 +69,15 @@ def _may_catch(handler: ast.expr | None) -> bool:
 
 
 def _may_name_a_warning_class(name: str | None) -> bool:
-    """Whether a handler's name may be a class of the warning: one of them, or not known to be
-    another (not a name, or a lowercase name: a variable that may hold ``Exception``). A
-    capitalised name is taken for a class (another exception class cannot be a base of
-    ``UserWarning``)."""
+    """Whether a handler's name may be a class of the fallback warning.
+
+    One of them, or not known to be another (not a name, or a lowercase name: a variable that may
+    hold ``Exception``). A capitalised name is taken for a class (another exception class cannot be
+    a base of ``UserWarning``)."""
     return name is None or name in _WARNING_CLASSES or name[:1].islower()
 
 
-def _suppresses(expression: ast.expr) -> bool:
+def _suppresses_a_warning(expression: ast.expr) -> bool:
     return (
         isinstance(expression, ast.Call)
         and _last_name(expression.func) == "suppress"

@@ -54,14 +54,16 @@ class _Family:
             c for c, nodes in self.classes.items() if any(name in _base_names(n) for n in nodes)
         }
 
-    def closure(self, name: str, *, up: bool) -> set[str]:
+    def names_around(self, name: str, *, up: bool) -> set[str]:
         """``name``'s bases (``up``) or subclasses, transitively, by name."""
-        return _closure({name}, self.bases_of if up else self.subclasses_of) - {name}
+        return _names_reached({name}, self.bases_of if up else self.subclasses_of) - {name}
 
     def supers_quiet(self, owner: str, methods: frozenset[str]) -> bool:
-        """Whether ``owner``'s ``super().__init__`` calls no method: every base of it or of its
-        subclasses (which follow it in a subclass's method resolution order) is quiet."""
-        below = {owner} | self.closure(owner, up=False)
+        """Whether ``owner``'s ``super().__init__`` calls no method of the instance.
+
+        It does not where every base of it or of its subclasses (which follow it in a subclass's
+        method resolution order) is quiet."""
+        below = {owner} | self.names_around(owner, up=False)
         bases = {b for name in below for b in self.bases_of(name)} - below
         return all(self.is_quiet(b, methods) for b in bases)
 
@@ -107,14 +109,14 @@ def classes_setting_late(
         down.setdefault(base, set()).add(cls)
     # The owners' subclasses, and every base of those (a subclass's other bases come after the
     # owner in its method resolution order: the owner's ``super().__init__`` may reach them).
-    wanted = _closure(
-        _closure(set(attributes), lambda n: down.get(n, set())), lambda n: up.get(n, set())
+    wanted = _names_reached(
+        _names_reached(set(attributes), lambda n: down.get(n, set())), lambda n: up.get(n, set())
     )
     family = _Family(_classes_named(contents, wanted))
     late: set[str] = set()
     for owner, assigned in attributes.items():
-        descendants = family.closure(owner, up=False)
-        members = {owner} | family.closure(owner, up=True) | descendants
+        descendants = family.names_around(owner, up=False)
+        members = {owner} | family.names_around(owner, up=True) | descendants
         methods = frozenset(
             m.name
             for name in members
@@ -154,7 +156,7 @@ def _classes_named(contents: Mapping[str, bytes], names: set[str]) -> dict[str, 
     return classes
 
 
-def _closure(names: set[str], step: Callable[[str], set[str]]) -> set[str]:
+def _names_reached(names: set[str], step: Callable[[str], set[str]]) -> set[str]:
     """``names`` and every name ``step`` gives from one of them, transitively."""
     found = set(names)
     todo = list(names)
@@ -169,9 +171,11 @@ def _closure(names: set[str], step: Callable[[str], set[str]]) -> set[str]:
 def _sets_late(
     node: ast.ClassDef, assigned: set[str], quiet_super: bool, methods: frozenset[str]
 ) -> bool:
-    """Whether code above ``node.__init__``'s first top-level assignment of ``assigned`` may call
-    back a method (the statement's value included; ``quiet_super``: whether ``super().__init__``
-    may not); False where it has none (:mod:`._plan` reads the attribute with ``getattr`` then)."""
+    """Whether code above ``node.__init__``'s top-level assignment of ``assigned`` may call one.
+
+    A method of the instance, the statement's value included (``quiet_super``: whether
+    ``super().__init__`` may not); False where it has none (:mod:`._plan` reads the attribute with
+    ``getattr`` then)."""
     init = _init_of(node)
     if init is None:
         return False
@@ -289,8 +293,9 @@ def _self_name(function: ast.FunctionDef) -> str | None:
 
 
 def _last_name(node: ast.expr) -> str:
-    """The last name of a dotted name (``nn.Module`` -> ``Module``; ``Generic[T]`` -> ``Generic``);
-    ``?`` for another form."""
+    """The last name of a dotted name, ``?`` for another form.
+
+    ``nn.Module`` -> ``Module``; ``Generic[T]`` -> ``Generic``."""
     while isinstance(node, ast.Subscript):
         node = node.value
     if isinstance(node, ast.Name):
