@@ -2314,6 +2314,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_side_by_side.py::"
                "test_a_read_whose_try_may_catch_the_fallback_warning_stays",),
     ),
+    Mutant(
+        name="migrate-trusts-a-declaration-without-a-value",
+        bug="pg_collection: ProcessGroupCollection alone in a plain class body counts as set: a method reads "
+        "self.pg_collection __init__ never set, AttributeError where the original read parallel_state",
+        file="pgregistry/migrate/_plan.py",
+        find="            and _declaration_binds(value, self.classes[-1])\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_getattr",),
+    ),
 )
 
 

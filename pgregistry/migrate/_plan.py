@@ -665,6 +665,7 @@ class _Locator(cst.CSTVisitor):
             and self.in_class_body[-1]
             and self.classes
             and _holds_a_collection(target.value, value, self.name)
+            and _declaration_binds(value, self.classes[-1])
         ):
             self.attributes[id(self.classes[-1])].append(Assigned(target.value, "", -1, True))
 
@@ -1096,6 +1097,43 @@ def _fills_a_field(function: Function, read: Read, name: str) -> bool:
         and isinstance(assign.targets[0].target.value, cst.Name)
         and assign.targets[0].target.value.value == name
     )
+
+
+def _declaration_binds(value: cst.BaseExpression | None, cls: cst.ClassDef) -> bool:
+    """Whether a class body's declaration of an attribute makes every instance hold it.
+
+    One with a value does (a class attribute), but a dataclass ``field(...)`` without a default; one
+    without (``pg_collection: ProcessGroupCollection``) only in a dataclass, whose ``__init__`` sets
+    each field (not with ``init=False``)."""
+    if value is not None:
+        return not (
+            isinstance(value, cst.Call)
+            and _callee_last_name(value) == "field"
+            and not any(
+                a.keyword is not None and a.keyword.value in ("default", "default_factory")
+                for a in value.args
+            )
+        )
+    for decorator in cls.decorators:
+        expression = decorator.decorator
+        call = expression if isinstance(expression, cst.Call) else None
+        name = _callee_last_name(call) if call is not None else _dotted_last_name(expression)
+        if name == "dataclass" and not any(
+            a.keyword is not None
+            and a.keyword.value == "init"
+            and isinstance(a.value, cst.Name)
+            and a.value.value == "False"
+            for a in (call.args if call is not None else ())
+        ):
+            return True
+    return False
+
+
+def _dotted_last_name(expression: cst.BaseExpression) -> str | None:
+    """``dataclass`` of ``dataclass`` or ``dataclasses.dataclass``; None for another form."""
+    if isinstance(expression, cst.Name):
+        return expression.value
+    return expression.attr.value if isinstance(expression, cst.Attribute) else None
 
 
 def _collection_in_scope(

@@ -890,3 +890,40 @@ def test_a_read_whose_try_may_catch_the_fallback_warning_stays(tmp_path: Path) -
     assert seen == dict(zip(expressions[:2], ["True", "3"], strict=True)), seen
     migrated = (tmp_path / "migrated" / "pkg" / "stages.py").read_text()
     assert 'pg_size(pg_collection, "tp")' in migrated and "parallel_state.is_pipeline_first_stage()" in migrated
+
+
+def test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_getattr(tmp_path: Path) -> None:
+    """``pg_collection: ProcessGroupCollection`` in a plain class body binds nothing: a method read
+    ``self.pg_collection`` as set and raised ``AttributeError`` where ``__init__`` had not set it, where the original
+    read the global state. Such a declaration counts only with a value, or in a dataclass (whose ``__init__`` sets
+    each field)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/model.py": """
+            from dataclasses import dataclass
+
+            from megatron.core import parallel_state as ps
+
+            class Layer:
+                pg_collection: "ProcessGroupCollection"
+
+                def __init__(self, collection=None):
+                    if collection is not None:
+                        self.pg_collection = collection
+
+                def forward(self):
+                    return ps.get_tensor_model_parallel_rank()
+
+            @dataclass
+            class Shard:
+                pg_collection: "ProcessGroupCollection"
+
+                def size(self):
+                    return ps.get_tensor_model_parallel_world_size()
+        """,
+    }
+    model = "__import__('pkg.model').model"
+    expressions = [f"{model}.Layer().forward()", f"{model}.Shard(None).size()"]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["3", "4"], strict=True)), seen
+    assert 'pg_size(self.pg_collection, "tp")' in (tmp_path / "migrated" / "pkg" / "model.py").read_text()
