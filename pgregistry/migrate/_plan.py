@@ -1117,7 +1117,7 @@ def _declaration_binds(value: cst.BaseExpression | None, cls: cst.ClassDef) -> b
     for decorator in cls.decorators:
         expression = decorator.decorator
         call = expression if isinstance(expression, cst.Call) else None
-        name = _callee_last_name(call) if call is not None else _dotted_last_name(expression)
+        name = _callee_last_name(call) if call is not None else _last_name_of(expression)
         if name == "dataclass" and not any(
             a.keyword is not None
             and a.keyword.value == "init"
@@ -1129,7 +1129,7 @@ def _declaration_binds(value: cst.BaseExpression | None, cls: cst.ClassDef) -> b
     return False
 
 
-def _dotted_last_name(expression: cst.BaseExpression) -> str | None:
+def _last_name_of(expression: cst.BaseExpression) -> str | None:
     """``dataclass`` of ``dataclass`` or ``dataclasses.dataclass``; None for another form."""
     if isinstance(expression, cst.Name):
         return expression.value
