@@ -2380,6 +2380,68 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank[one-rank]",),
     ),
+    # migrate7: when the rewrite trusts ``self.pg_collection`` set by ``__init__``.
+    Mutant(
+        name="migrate-trusts-an-attribute-set-after-super-init",
+        bug="a base __init__ reached through super().__init__ calls a method the subclass overrides before the "
+        "subclass sets self.pg_collection: the rewritten method reads it unset, AttributeError",
+        file="pgregistry/migrate/_init_order.py",
+        find='if callee == "super" and not (quiet_super and _super_init_call(root, sub)):',
+        replace='if callee == "super" and not _super_init_call(root, sub):',
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr",),
+    ),
+    Mutant(
+        name="migrate-trusts-an-attribute-a-subclass-may-read-first",
+        bug="a subclass __init__ calls a reading method before super().__init__ sets self.pg_collection: "
+        "AttributeError in the rewrite",
+        file="pgregistry/migrate/_init_order.py",
+        find="            return _may_call_back([*init.body[:index], *arguments], self_name, methods, False)\n"
+        "    return True",
+        replace="            return False\n    return False",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr",),
+    ),
+    Mutant(
+        name="migrate-trusts-an-attribute-after-self-is-handed-on",
+        bug="__init__ hands self to a helper (or loads a property) that calls a reading method before "
+        "self.pg_collection is set: AttributeError in the rewrite",
+        file="pgregistry/migrate/_init_order.py",
+        find="            return True  # ``self`` handed on",
+        replace="            pass",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr",),
+    ),
+    Mutant(
+        name="migrate-distrusts-every-base-init",
+        bug="every super().__init__ before the assignment counts as calling back, so MegatronModule's subclasses "
+        "read self.pg_collection through getattr (sound, but not the least conservative rule)",
+        file="pgregistry/migrate/_init_order.py",
+        find='QUIET_OUTSIDE = frozenset({"object", "Module", "ABC", "Generic", "Protocol"})',
+        replace="QUIET_OUTSIDE = frozenset()",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_attribute_set_after_a_quiet_base_init_is_read_as_set",),
+    ),
+    Mutant(
+        name="migrate-rewrites-a-read-a-handler-may-catch",
+        bug="a read inside try/except Exception is rewritten: under -W error its fallback warning is caught there, "
+        "the code takes the handler's path unreported (Bridge's preprocess_packed_batch loads images on every stage)",
+        file="pgregistry/migrate/_plan.py",
+        find="    caught = calls_a_handler_may_catch(module_syntax)",
+        replace="    caught = frozenset()",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_read_whose_try_may_catch_the_fallback_warning_stays",),
+    ),
+    Mutant(
+        name="migrate-trusts-a-declaration-without-a-value",
+        bug="pg_collection: ProcessGroupCollection alone in a plain class body counts as set: a method reads "
+        "self.pg_collection __init__ never set, AttributeError where the original read parallel_state",
+        file="pgregistry/migrate/_plan.py",
+        find="            and _declaration_binds(value, self.classes[-1])\n",
+        replace="",
+        tests=("tests/migrate/test_migrate_side_by_side.py::"
+               "test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_getattr",),
+    ),
 )
 
 

@@ -14,7 +14,8 @@ them:
 - :mod:`~pgregistry.migrate._skeleton`: the part of a file libcst parses, and a statement's lines
   and span;
 - :mod:`~pgregistry.migrate._tree`: what the whole tree says about its functions and collections,
-  learned first;
+  learned first (the classes whose ``__init__`` may call a method before it sets its collection:
+  :mod:`~pgregistry.migrate._init_order`);
 - :mod:`~pgregistry.migrate._facts`: what the rules decided between the two phases, read once from
   each file, with what its module-level imports bind (:mod:`~pgregistry.migrate._imports`);
 - :mod:`~pgregistry.migrate._upward`: the read-less functions that call a threaded one, threaded
@@ -24,7 +25,8 @@ them:
   (its field table, the getters its shims call; whether its pipeline-stage accessors are those the
   fallback helper reproduces: :mod:`~pgregistry.migrate._virtual_stages`);
 - :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left)
-  and which calls pass a collection;
+  and which calls pass a collection (a read a handler around it may catch the warning of stays:
+  :mod:`~pgregistry.migrate._caught`);
 - :mod:`~pgregistry.migrate._shims`: which ``use_mpu_process_groups`` shims become the reads of
   their fields;
 - :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code (a call of the

@@ -62,6 +62,7 @@ from pgregistry._source.scanner import (
     absolute_module,
     attribute_chain,
 )
+from pgregistry.migrate._caught import CAUGHT_REASON, calls_a_handler_may_catch
 from pgregistry.migrate._facts import names_bound_twice, spec_field_of_call
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
 from pgregistry.migrate._skeleton import (
@@ -248,7 +249,9 @@ class Assigned(NamedTuple):
 
     ``statement``: the method's top-level simple statement that assigns it (-1: in a block, or
     declared in the body, ``method`` empty); ``early``: whether it is above any call of a method of
-    ``self`` there (which may read it before it is set), a declaration always."""
+    ``self`` there (which may read it before it is set), and its class is not one whose
+    construction may call one first otherwise (:attr:`TreeFacts.set_late`), a declaration
+    always."""
 
     attribute: str
     method: str
@@ -412,8 +415,13 @@ class _Locator(cst.CSTVisitor):
     The functions with their bindings, the scanner's call sites, every dotted call, and the
     ``self.<name> = ...`` assignments per class."""
 
-    def __init__(self, sites: Iterable[Site], name: str) -> None:
+    def __init__(
+        self, sites: Iterable[Site], name: str, late: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__()
+        #: Classes whose ``__init__`` may call a method before its collection attribute is set
+        #: (:attr:`TreeFacts.set_late`).
+        self.late = late
         self.by_position: dict[tuple[int, int], Site] = {
             (site.line, site.col - 1): site for site in sites if site.form == CALL
         }
@@ -643,8 +651,10 @@ class _Locator(cst.CSTVisitor):
             # Where every later statement finds it set: a top-level simple statement (-1: in a
             # block); early: above any call of a method of self, which may read it.
             index = self.statement[-1] if self._at_the_top_of(function) else -1
-            early = index >= 0 and (
-                function.calls_self_at is None or function.calls_self_at > index
+            early = (
+                index >= 0
+                and (function.calls_self_at is None or function.calls_self_at > index)
+                and function.method_of.name.value not in self.late
             )
             self.attributes[id(function.method_of)].append(
                 Assigned(target.attr.value, function.node.name.value, index, early)
@@ -655,6 +665,7 @@ class _Locator(cst.CSTVisitor):
             and self.in_class_body[-1]
             and self.classes
             and _holds_a_collection(target.value, value, self.name)
+            and _declaration_binds(value, self.classes[-1])
         ):
             self.attributes[id(self.classes[-1])].append(Assigned(target.value, "", -1, True))
 
@@ -1088,6 +1099,43 @@ def _fills_a_field(function: Function, read: Read, name: str) -> bool:
     )
 
 
+def _declaration_binds(value: cst.BaseExpression | None, cls: cst.ClassDef) -> bool:
+    """Whether a class body's declaration of an attribute makes every instance hold it.
+
+    One with a value does (a class attribute), but a dataclass ``field(...)`` without a default; one
+    without (``pg_collection: ProcessGroupCollection``) only in a dataclass, whose ``__init__`` sets
+    each field (not with ``init=False``)."""
+    if value is not None:
+        return not (
+            isinstance(value, cst.Call)
+            and _callee_last_name(value) == "field"
+            and not any(
+                a.keyword is not None and a.keyword.value in ("default", "default_factory")
+                for a in value.args
+            )
+        )
+    for decorator in cls.decorators:
+        expression = decorator.decorator
+        call = expression if isinstance(expression, cst.Call) else None
+        name = _callee_last_name(call) if call is not None else _last_name_of(expression)
+        if name == "dataclass" and not any(
+            a.keyword is not None
+            and a.keyword.value == "init"
+            and isinstance(a.value, cst.Name)
+            and a.value.value == "False"
+            for a in (call.args if call is not None else ())
+        ):
+            return True
+    return False
+
+
+def _last_name_of(expression: cst.BaseExpression) -> str | None:
+    """``dataclass`` of ``dataclass`` or ``dataclasses.dataclass``; None for another form."""
+    if isinstance(expression, cst.Name):
+        return expression.value
+    return expression.attr.value if isinstance(expression, cst.Attribute) else None
+
+
 def _collection_in_scope(
     function: Function,
     statement: int,
@@ -1472,7 +1520,7 @@ def plan_file(
     site_lines = sorted({site.line for site in sites})
     wanted = {i for i, (start, end) in enumerate(spans) if has_line_within(site_lines, start, end)}
     call_lines = {site.line for site in sites if site.form == CALL}
-    locator = _Locator(sites, name)
+    locator = _Locator(sites, name, facts.set_late)
     locator.wanted = wanted
     _skip_placeholders(locator, source.body, statements)
     pattern = collection_mentions(name)
@@ -1502,7 +1550,7 @@ def plan_file(
         locator.met.get(unit, 0) != len(o) for unit, o in locator.order.items()
     ):
         locator = _Locator(
-            sites, name
+            sites, name, facts.set_late
         )  # the ast's calls are not the tree's: libcst's own positions, slowly
         locator.wanted = wanted
         _skip_placeholders(locator, source.body, statements)
@@ -1543,6 +1591,7 @@ def plan_file(
     }
     ambiguous = [read for read in legacy if _call_head_name(read) in heads]
     scopes = _statement_scopes(source, ambiguous) if ambiguous else {}
+    caught = calls_a_handler_may_catch(module_syntax)
     for read in reads:  # first, as a shim's local named like the collection is no collection then
         if read.call is not None and read.site.family == SHIM and read.function is not None:
             kept = (kept_shims or {}).get((read.site.line, read.site.col))
@@ -1558,6 +1607,8 @@ def plan_file(
             reason = read.reason
         if reason is None and read.site.family == LEGACY:
             reason = _not_parallel_state(read, scopes, facts, package)
+        if reason is None and (read.site.line, read.site.col) in caught:
+            reason = CAUGHT_REASON
         if reason is None and read.function is None:
             reason = (
                 _MODULE_LEVEL

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from pgregistry.migrate._facts import calls_within
+from pgregistry.migrate._init_order import classes_setting_late
 
 __all__ = ["TreeFacts", "learn_tree", "names_a_collection", "classify_uses"]
 
@@ -81,6 +82,9 @@ class TreeFacts:
     #: ``obj.m(pg_collection=c)``; :func:`names_passed_the_keyword`): a function of such a name
     #: that takes ``**kwargs`` gets it there, where a new parameter would take it.
     passed_the_keyword: frozenset[str] = frozenset()
+    #: The classes whose ``__init__`` assigns a collection attribute after code that may call a
+    #: method reading it (:func:`~pgregistry.migrate._init_order.classes_setting_late`).
+    set_late: frozenset[str] = frozenset()
 
     def ties_class(self, chain: str, cls: str) -> bool:
         """Whether a ``self.<a>.<b>`` ``chain`` is in scope in the methods of class ``cls``.
@@ -473,7 +477,7 @@ def learn_tree(
     if named:
         called, values, hooks = classify_uses(contents, named)
     ties = _classes_tying_chains(contents, owned)
-    bases = {pair for data in contents.values() for pair in _class_bases(data)} if ties else set()
+    bases = {pair for data in contents.values() for pair in _class_bases(data)} if owned else set()
     return TreeFacts(
         state_modules=state_modules,
         modules=modules,
@@ -483,7 +487,8 @@ def learn_tree(
         collections=frozenset(collections),
         fields=frozenset(fields),
         ties=frozenset(ties),
-        bases=frozenset(bases),
+        bases=frozenset(bases) if ties else frozenset(),
+        set_late=classes_setting_late(contents, owned, bases),
         dropping=keyword_dropping_decorators(contents),
         passed_the_keyword=names_passed_the_keyword(contents, collection),
     )

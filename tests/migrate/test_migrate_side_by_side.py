@@ -76,6 +76,9 @@ class NotInstalled:
 
 if sys.argv[2] == "without":
     sys.meta_path.insert(0, NotInstalled())
+if sys.argv[2] == "errors":  # with Megatron-Core, warnings as errors (as docs/migrating.md asks of a test suite)
+    import warnings
+    warnings.simplefilter("error")
 outcomes = {}
 for expression in json.loads(sys.argv[1]):
     try:
@@ -87,13 +90,15 @@ print(json.dumps(outcomes))
 
 
 def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, str]:
+    """Each expression's outcome run in ``root``, with the stand-in Megatron-Core and the tree-less modules of
+    ``root.parent / "outside"`` (not migrated: a user's packages the tree does not hold) on the path."""
     stand_in = root.parent / "stand_in"
     write_sources(stand_in, {"megatron/__init__.py": "", "megatron/core/__init__.py": "",
                              "megatron/core/parallel_state.py": _STAND_IN,
                              "megatron/core/utils.py": _STAND_IN_UTILS,
                              "megatron/core/config.py": "class Config:\n    name = 'config'\n",
                              "megatron/core/process_groups_config.py": _STAND_IN_COLLECTION})
-    path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(stand_in), str(root.parent / "outside"), os.environ.get("PYTHONPATH", "")])
     completed = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(expressions), megatron],
         cwd=root, capture_output=True, text=True, timeout=60, check=True, env={**os.environ, "PYTHONPATH": path},
@@ -102,11 +107,13 @@ def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, st
 
 
 def _side_by_side(tmp_path: Path, files: dict[str, str], expressions: list[str],
-                  settings: tuple[str, ...] = ("with", "without")) -> dict[str, str]:
+                  settings: tuple[str, ...] = ("with", "without"),
+                  outside: dict[str, str] | None = None) -> dict[str, str]:
     """Each of ``expressions``' outcome in the original tree and in its migrated copy, with Megatron-Core and without
     it (``settings``): asserted equal; returned for the original with Megatron-Core (to check the probe sees
-    something)."""
+    something). ``outside``: modules both trees import that are not migrated (a package outside the tree)."""
     original, migrated = tmp_path / "original", tmp_path / "migrated"
+    write_sources(tmp_path / "outside", {path: textwrap.dedent(text) for path, text in (outside or {}).items()})
     write_sources(original, {path: textwrap.dedent(text) for path, text in files.items()})
     sources = write_sources(migrated, {path: textwrap.dedent(text) for path, text in files.items()})
     migration = migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection")
@@ -696,3 +703,227 @@ def test_a_read_through_a_local_collection_given_the_codes_own_group_stays(tmp_p
                                           "('the tensor-parallel group', 'mine')"], strict=True)), seen
     migrated = (tmp_path / "migrated/pkg/local.py").read_text()
     assert 'pg_group(pg_collection, "tp")' in migrated and 'pg_size(pgc, "tp")' not in migrated, migrated
+
+
+def test_a_collection_attribute_set_after_code_that_may_call_a_reading_method_is_read_with_getattr(
+    tmp_path: Path,
+) -> None:
+    """``self.pg_collection`` assigned by ``__init__`` after code that may call a method reading it: a base
+    ``__init__`` (of the tree, or of a package outside it) that calls a method the subclass overrides, a helper
+    function handed ``self``, a property, a subclass ``__init__`` calling the method before ``super().__init__``.
+    The method read it as set and raised ``AttributeError`` where the original read the global state."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/model.py": """
+            from megatron.core import parallel_state as ps
+            from outer import OuterBase
+
+            class Base:
+                def __init__(self):
+                    self.size = self.build()
+
+                def build(self):
+                    return 0
+
+            class Inner(Base):
+                def __init__(self, pg_collection=None):
+                    super().__init__()
+                    self.pg_collection = pg_collection
+
+                def build(self):
+                    return ps.get_tensor_model_parallel_world_size()
+
+            class Outer(OuterBase):
+                def __init__(self, pg_collection=None):
+                    super().__init__()
+                    self.pg_collection = pg_collection
+
+                def build(self):
+                    return ps.get_tensor_model_parallel_world_size()
+
+            def sized(module):
+                return module.build()
+
+            class Helped:
+                def __init__(self, pg_collection=None):
+                    self.size = sized(self)
+                    self.pg_collection = pg_collection
+
+                def build(self):
+                    return ps.get_tensor_model_parallel_world_size()
+
+            class Propertied:
+                def __init__(self, pg_collection=None):
+                    self.size = self.built
+                    self.pg_collection = pg_collection
+
+                @property
+                def built(self):
+                    return self.build()
+
+                def build(self):
+                    return ps.get_tensor_model_parallel_world_size()
+
+            class Early:
+                def __init__(self, pg_collection=None):
+                    self.pg_collection = pg_collection
+
+                def build(self):
+                    return ps.get_tensor_model_parallel_world_size()
+
+            class EarlySub(Early):
+                def __init__(self):
+                    self.size = self.build()
+                    super().__init__()
+        """,
+    }
+    outside = {"outer.py": "class OuterBase:\n    def __init__(self):\n        self.size = self.build()\n"}
+    model = "__import__('pkg.model').model"
+    classes = ["Inner", "Outer", "Helped", "Propertied", "EarlySub"]
+    expressions = [f"{model}.{name}().size" for name in classes]
+    seen = _side_by_side(tmp_path, files, expressions, outside=outside)
+    assert seen == dict.fromkeys(expressions, "4"), seen
+
+
+def test_a_collection_attribute_set_after_a_quiet_base_init_is_read_as_set(tmp_path: Path) -> None:
+    """The rule above is no wider than it must be: a ``super().__init__(...)`` whose bases' ``__init__``s call no
+    method (``MegatronModule``'s shape over ``torch.nn.Module``, an explicit ``Base.__init__(self)`` in a
+    subclass, ``type(self)`` and ``super(C, self)``) leaves ``self.pg_collection`` read as set."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/model.py": """
+            from megatron.core import parallel_state as ps
+            from torch_like import Module
+
+            class QuietBase(Module):
+                def __init__(self, config):
+                    super().__init__()
+                    self.config = config
+
+            class Layer(QuietBase):
+                def __init__(self, pg_collection=None):
+                    super(Layer, self).__init__(config=type(self).__name__)
+                    self.pg_collection = pg_collection
+
+                def forward(self):
+                    return ps.get_tensor_model_parallel_rank()
+
+            class Fused(Layer):
+                def __init__(self):
+                    Layer.__init__(self)
+        """,
+    }
+    outside = {"torch_like.py": "class Module:\n    def __init__(self):\n        self.training = True\n"}
+    model = "__import__('pkg.model').model"
+    expressions = [f"{model}.Layer().forward()", f"{model}.Fused().forward()", f"{model}.Layer().config"]
+    seen = _side_by_side(tmp_path, files, expressions, outside=outside)
+    assert seen == dict(zip(expressions, ["3", "3", "'Layer'"], strict=True)), seen
+    assert 'pg_rank(self.pg_collection, "tp")' in (tmp_path / "migrated" / "pkg" / "model.py").read_text()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a caller outside the tree that passes pg_collection= into a threaded function's forwarded **kwargs "
+    "has it taken by the new parameter: no rewrite can tell its keyword from a rewritten caller's "
+    "(docs/migrating.md, 'Limits, by design')",
+)
+def test_a_collection_an_outside_caller_passes_into_forwarded_kwargs_still_reaches_the_callee(tmp_path: Path) -> None:
+    """``build(**kwargs)`` reads the grid and forwards its ``kwargs`` to a layer that takes ``pg_collection``; a
+    caller outside the tree passes ``pg_collection=`` for the layer. The new keyword-only parameter takes it, and the
+    layer, given none, builds on the global grid. Popping it from ``kwargs`` is the same thing; leaving it there
+    sends a rewritten caller's collection, which the original never passed, into the forwarded call."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/build.py": """
+            from megatron.core import parallel_state as ps
+
+            class Layer:
+                def __init__(self, pg_collection=None):
+                    self.group = "global" if pg_collection is None else pg_collection
+
+            def build(**kwargs):
+                size = ps.get_tensor_model_parallel_world_size()
+                return size, Layer(**kwargs).group
+        """,
+    }
+    outside = {"user.py": "from pkg.build import build\n\ndef run():\n    return build(pg_collection='mine')\n"}
+    expression = "__import__('user').run()"
+    seen = _side_by_side(tmp_path, files, [expression], settings=("with",), outside=outside)
+    assert seen == {expression: repr((4, "mine"))}
+
+
+def test_a_read_whose_try_may_catch_the_fallback_warning_stays(tmp_path: Path) -> None:
+    """Under warnings as errors (``-W error::pgregistry.ProcessGroupFallbackWarning``, docs/migrating.md step 3) a
+    rewritten read that falls back raises its warning where it is: inside ``try: ... except Exception:`` (Megatron-
+    Bridge 0.6.2's ``preprocess_packed_batch``: ``is_first_pp_stage = True`` on every pipeline stage) or ``with
+    suppress(Exception):`` the handler took it, so the code took its other path and the fallback went unreported.
+    Such a read stays; one whose handler cannot catch a warning is rewritten."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/stages.py": """
+            from contextlib import suppress
+
+            from megatron.core import parallel_state
+
+            def first():
+                try:
+                    return parallel_state.is_pipeline_first_stage()
+                except Exception:
+                    return "handler"
+
+            def rank():
+                value = "suppressed"
+                with suppress(Warning):
+                    value = parallel_state.get_tensor_model_parallel_rank()
+                return value
+
+            def size():
+                try:
+                    return parallel_state.get_tensor_model_parallel_world_size()
+                except (ImportError, AttributeError):
+                    return "handler"
+        """,
+    }
+    stages = "__import__('pkg.stages').stages"
+    expressions = [f"{stages}.first()", f"{stages}.rank()", f"{stages}.size()"]
+    seen = _side_by_side(tmp_path, files, expressions[:2], settings=("with", "errors"))
+    assert seen == dict(zip(expressions[:2], ["True", "3"], strict=True)), seen
+    migrated = (tmp_path / "migrated" / "pkg" / "stages.py").read_text()
+    assert 'pg_size(pg_collection, "tp")' in migrated and "parallel_state.is_pipeline_first_stage()" in migrated
+
+
+def test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_getattr(tmp_path: Path) -> None:
+    """``pg_collection: ProcessGroupCollection`` in a plain class body binds nothing: a method read
+    ``self.pg_collection`` as set and raised ``AttributeError`` where ``__init__`` had not set it, where the original
+    read the global state. Such a declaration counts only with a value, or in a dataclass (whose ``__init__`` sets
+    each field)."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/model.py": """
+            from dataclasses import dataclass
+
+            from megatron.core import parallel_state as ps
+
+            class Layer:
+                pg_collection: "ProcessGroupCollection"
+
+                def __init__(self, collection=None):
+                    if collection is not None:
+                        self.pg_collection = collection
+
+                def forward(self):
+                    return ps.get_tensor_model_parallel_rank()
+
+            @dataclass
+            class Shard:
+                pg_collection: "ProcessGroupCollection"
+
+                def size(self):
+                    return ps.get_tensor_model_parallel_world_size()
+        """,
+    }
+    model = "__import__('pkg.model').model"
+    expressions = [f"{model}.Layer().forward()", f"{model}.Shard(None).size()"]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["3", "4"], strict=True)), seen
+    assert 'pg_size(self.pg_collection, "tp")' in (tmp_path / "migrated" / "pkg" / "model.py").read_text()
