@@ -70,7 +70,24 @@ __all__ = [
 
 
 class Unset(enum.Enum):
-    """Type of the :data:`UNSET` sentinel (an enum so type checkers can narrow on it)."""
+    """Type of the :data:`UNSET` sentinel (an enum so type checkers can narrow on it).
+
+    Its one member is a field nobody gave. It has no truth value: ``if pg.tp:`` would take an unset
+    field for an axis that is off, so test it with :meth:`ProcessGroupCollection.is_set`.
+
+    Raises:
+        TypeError: on ``bool(UNSET)`` (an ``if``, ``and``, ``not``), saying what to ask instead.
+
+    Example:
+        >>> collection = ProcessGroupCollection(tp=None)
+        >>> collection.dp, collection.is_set("dp"), collection.is_set("tp")
+        (UNSET, False, True)
+        >>> isinstance(collection.dp, Unset)
+        True
+        >>> bool(collection.dp)
+        Traceback (most recent call last):
+        TypeError: UNSET (nobody gave this field) has no truth value: ...
+    """
 
     UNSET = "UNSET"
 
@@ -89,7 +106,22 @@ UNSET: Final = Unset.UNSET
 
 
 class NotMember(enum.Enum):
-    """Type of the :data:`NOT_MEMBER` sentinel."""
+    """Type of the :data:`NOT_MEMBER` sentinel: this rank is in no group of the field's kind.
+
+    A middle pipeline stage has no embedding group; its ``embd`` is ``NOT_MEMBER``, set (not
+    ``UNSET``) but no group. Test it with :meth:`ProcessGroupCollection.is_member_of`.
+
+    Raises:
+        TypeError: on ``bool(NOT_MEMBER)``, saying what to ask instead.
+
+    Example:
+        >>> collection = ProcessGroupCollection(embd=NOT_MEMBER)
+        >>> collection.is_set("embd"), collection.is_member_of("embd")
+        (True, False)
+        >>> collection.get("embd")
+        Traceback (most recent call last):
+        ValueError: rank ... belongs to no 'embd' group of ... ask pg.is_member_of('embd') first
+    """
 
     NOT_MEMBER = "NOT_MEMBER"
 
@@ -806,7 +838,26 @@ def _check_group(group: object) -> None:
 def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
     """``names`` as a tuple; ``ValueError`` suggesting a close match for the first unknown one.
 
-    ``TypeError`` for a name that is no str (``None``, a pair), which difflib cannot compare."""
+    For the code that takes field names (a collection's keywords, a mesh's dims, a door's field),
+    before it reads them.
+
+    Args:
+        names: collection field names (:data:`FIELD_NAMES`).
+
+    Returns:
+        ``names`` as a tuple, in their order.
+
+    Raises:
+        TypeError: a name that is no str (``None``, a pair), which difflib cannot compare.
+        ValueError: the first unknown name, with a close known one where there is one.
+
+    Example:
+        >>> check_field_names(["tp", "dp"])
+        ('tp', 'dp')
+        >>> check_field_names(["tpp"])
+        Traceback (most recent call last):
+        ValueError: Unknown attribute: 'tpp'; did you mean 'tp'? (known: ...)
+    """
     names = tuple(names)
     for name in names:
         if not isinstance(name, str):

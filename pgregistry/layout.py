@@ -143,7 +143,20 @@ GROUP_KINDS: Final[tuple[str, ...]] = (
 def require_layout(layout: object) -> None:
     """``TypeError`` for a ``layout`` that is no :class:`ParallelLayout` (``None``, keywords).
 
-    For the functions that take a layout (the seed plan, placement), before they read it."""
+    For the functions that take a layout (the seed plan, placement), before they read it.
+
+    Args:
+        layout: what the caller was given as a layout.
+
+    Raises:
+        TypeError: ``layout`` is no :class:`ParallelLayout`; the message shows how to make one.
+
+    Example:
+        >>> require_layout(ParallelLayout(num_ranks=8, tp=2))
+        >>> require_layout({"num_ranks": 8, "tp": 2})
+        Traceback (most recent call last):
+        TypeError: layout must be a pgregistry.layout.ParallelLayout (such as ...), got dict
+    """
     if not isinstance(layout, ParallelLayout):
         raise TypeError(
             "layout must be a pgregistry.layout.ParallelLayout (such as "

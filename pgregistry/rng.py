@@ -396,7 +396,20 @@ _SEED_FIELDS: Final[tuple[GroupName, ...]] = (
 def seed_fields(data_parallel_random_init: bool) -> tuple[GroupName, ...]:
     """The collection fields :func:`rank_seeds` reads.
 
-    :data:`_SEED_FIELDS`, and ``dp`` with ``data_parallel_random_init``."""
+    The entry points resolve these (and only these) before they seed, so a collection that leaves
+    another field unset still seeds.
+
+    Args:
+        data_parallel_random_init: whether each data-parallel rank gets its own seeds (Megatron's
+            flag of that name), which adds ``dp``.
+
+    Returns:
+        :data:`_SEED_FIELDS`, then ``dp`` with ``data_parallel_random_init``.
+
+    Example:
+        >>> seed_fields(data_parallel_random_init=True)
+        ('pp', 'tp', 'ep', 'expt_tp', 'gtp_remat', 'expt_gtp_remat', 'dp')
+    """
     return _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
 
 
@@ -405,7 +418,30 @@ def rank_seeds(
 ) -> dict[str, int]:
     """Tracker name -> seed of this rank, from the job's ``seed`` and a resolved collection.
 
-    The collection has its :func:`seed_fields` set."""
+    Reads this rank's place in each :func:`seed_fields` group and applies Megatron-Core's formulas
+    (:func:`tracker_seeds`); seeds nothing (:func:`model_parallel_manual_seed` does).
+
+    Args:
+        seed: the job's seed, the same on every rank.
+        collection: a collection with its :func:`seed_fields` set (``None``: the axis is off, rank
+            0 of 1).
+        data_parallel_random_init: whether each data-parallel rank gets its own seeds.
+
+    Returns:
+        Tracker name -> seed, for :meth:`RNGStatesTracker.add`.
+
+    Raises:
+        AttributeError: a field of :func:`seed_fields` is unset, naming it.
+        ValueError: this rank is in no group of one of them; ``seed`` not an integer in [0, 2**64).
+            Seeds the offsets carry past 2**64 are returned; :meth:`RNGStatesTracker.add` refuses
+            them.
+
+    Example:
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> every_axis_off = ProcessGroupCollection(**dict.fromkeys(seed_fields(False)))
+        >>> rank_seeds(1234, every_axis_off, data_parallel_random_init=False)
+        {'data-parallel-rng': 1234, 'model-parallel-rng': 3952, 'expert-parallel-rng': 2258}
+    """
     rank = {name: group_rank(collection.get(name)) for name in _SEED_FIELDS}
     dp_rank = group_rank(collection.get("dp")) if data_parallel_random_init else 0
     return tracker_seeds(
@@ -601,6 +637,19 @@ class SeedCollision:
             holds.
         axes: the axes the ranks' coordinates differ in (empty unless ``"across_ranks"``).
         coords: each rank's coordinates, in ``axes`` order (empty unless ``"across_ranks"``).
+
+    :func:`check_seed_plan` returns them; :meth:`describe` is the line for people,
+    :meth:`to_dict` the record for JSON.
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> collision = check_seed_plan(ParallelLayout(num_ranks=4, tp=2), 2**64 - 50)[0]
+        >>> collision.kind, collision.trackers, collision.ranks
+        ('out_of_range', ('model-parallel-rng',), (0, 1, 2, 3))
+        >>> print(collision.describe())  # doctest: +NORMALIZE_WHITESPACE
+        seed 18446744073709554284 of tracker model-parallel-rng on each of ranks 0, 1, 2, 3
+        (4 ranks) is outside [0, 2**64), which model_parallel_manual_seed refuses:
+        use a smaller seed
     """
 
     kind: Literal["across_ranks", "within_rank", "out_of_range"]

@@ -4,7 +4,9 @@ A docstring example is documentation a reader copies: one that went stale would 
 set. Each module listed here must hold at least one example, so a module whose examples were all
 dropped fails too. The examples of these modules are plain arithmetic (``pgregistry.rng`` imports
 torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are
-plain records); the examples that need a world are code blocks (``Example::``), not doctests.
+plain records), checks of a caller's argument (``pgregistry.mesh``, ``pgregistry.testing``), or
+lookups on a one-layer model and a collection assembled by hand (``pgregistry.attachments``); the
+examples that need a world are code blocks (``Example::``), not doctests.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import io
 import pytest
 
 MODULES_WITH_EXAMPLES = (
+    "pgregistry.attachments",
     "pgregistry.audit",
     "pgregistry.collection",
     "pgregistry.experts._keys",
     "pgregistry.layout",
+    "pgregistry.mesh",
     "pgregistry.placement",
     "pgregistry.rng",
+    "pgregistry.testing",
 )
 
 
