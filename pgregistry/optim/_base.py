@@ -64,6 +64,7 @@ from pgregistry.grad_stats._reductions import (
 )
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
 from pgregistry.optim._grad_buffer import GradBuffer, Span, span_shares
+from pgregistry.optim._grad_statistics import GradStatistics
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import param_state_key_faults, refuse_agreed
@@ -98,11 +99,12 @@ ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
 """Names a model parameter (state-dict keys, error messages), e.g. a global, expert-aware name."""
 
 
-class OptimizerStatistics(abc.ABC):
+class OptimizerStatistics(GradStatistics):
     """The grad statistics and clipping of an optimizer, under Megatron-Core's method names.
 
     The local shares of the flat optimizers it steps (itself, or a chained optimizer's children) go
-    in one set of shares, reduced once."""
+    in one set of shares, reduced once. The norm and the zero count are :class:`GradStatistics`'
+    over the model the optimizer covers."""
 
     @abc.abstractmethod
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
@@ -112,28 +114,9 @@ class OptimizerStatistics(abc.ABC):
         """The grad statistics of the model the optimizer covers, through the one reducer."""
         return statistics_of(self.stats_optimizers(), wanted)
 
-    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model the optimizer covers (0-dim).
-
-        Float64 for a float64 grad buffer, else float32; NaN or infinite when any grad is,
-        duplicates included. Exact where ``sum |g|^p`` leaves the float range; no host sync for the
-        1-, 2- and inf-norm, one host read of the norm for another ``p``
-        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
-        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
-
-    def count_zeros(self) -> torch.Tensor:
-        """The global number of zero grad elements, each distinct one counted once (0-dim int64)."""
-        zeros = self.statistics(Wanted.zeros_only()).zeros
-        assert zeros is not None
-        return zeros
-
-    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together, the 2-norm.
-
-        One read of the grads on CUDA; one all-reduce per group."""
-        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
-        assert reduced.zeros is not None
-        return reduced.norm, reduced.zeros
+    get_grad_norm = GradStatistics._grad_norm
+    count_zeros = GradStatistics._count_zeros
+    get_grad_norm_and_zeros = GradStatistics._norm_and_zeros
 
     def clip_grad_norm(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
