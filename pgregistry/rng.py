@@ -142,7 +142,11 @@ class RNGStatesTracker:
         return self._generators
 
     def reset(self) -> None:
-        """Forget every stream and seed (the generators' current states are left as they are)."""
+        """Forget every stream and seed (the generators' current states are left as they are).
+
+        Raises:
+            RuntimeError: inside a :meth:`fork`, naming the stream.
+        """
         if self._current is not None:
             raise RuntimeError(f"cannot reset the RNG tracker inside fork({self._current!r})")
         self._states.clear()
@@ -152,10 +156,25 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` seeded with ``seed``; the generators' current states are kept.
 
-        Raises ``ValueError`` when ``name`` is already registered or ``seed`` is already used by
-        another stream: two streams with one seed would draw the same numbers, which is never
-        intended. A ``name`` that is no non-empty str is refused too (``TypeError``, ``ValueError``
-        for ``""``).
+        Two streams with one seed would draw the same numbers, which is never intended, so a seed
+        already used is refused.
+
+        Args:
+            name: the stream's name, a non-empty str.
+            seed: an integer in [0, 2**64).
+
+        Raises:
+            ValueError: ``name`` is already registered or ``""``; ``seed`` is already used by
+                another stream (naming it) or outside [0, 2**64).
+            TypeError: ``name`` is no str.
+
+        Example:
+            >>> import torch
+            >>> tracker = RNGStatesTracker([torch.Generator()])
+            >>> tracker.add("model-parallel-rng", 3953)
+            >>> tracker.add("expert-parallel-rng", 3953)
+            Traceback (most recent call last):
+            ValueError: seed 3953 for RNG tracker 'expert-parallel-rng' is already used by ...
         """
         _check_name(name)
         seed = _check_seed(seed, name)
@@ -177,15 +196,28 @@ class RNGStatesTracker:
         self._seeds[seed] = name
 
     def names(self) -> tuple[str, ...]:
-        """Registered stream names, in registration order."""
+        """Registered stream names, in registration order.
+
+        Returns:
+            The names, those restored by :meth:`set_states` included.
+        """
         return tuple(self._states)
 
     def seeds(self) -> dict[str, int]:
-        """Stream name -> the seed it was added with (none if set by :meth:`set_states` alone)."""
+        """Stream name -> the seed it was added with (none if set by :meth:`set_states` alone).
+
+        Returns:
+            A new dict; streams restored from states carry no seed.
+        """
         return {name: seed for seed, name in self._seeds.items()}
 
     def get_states(self) -> dict[str, RNGState]:
-        """A copy of every stream's state, for checkpoints."""
+        """A copy of every stream's state, for checkpoints.
+
+        Returns:
+            Stream name -> one ``uint8`` state tensor per generator, in :attr:`generators` order
+            (clones: drawing later changes none of them).
+        """
         return {name: tuple(t.clone() for t in state) for name, state in self._states.items()}
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
@@ -193,8 +225,27 @@ class RNGStatesTracker:
 
         Each state is checked against the generator it is for (a ``uint8`` tensor of that
         generator's state size): a state of another size or dtype was taken, and failed at the
-        stream's first ``fork`` in torch's words, naming no stream. ``ValueError`` naming the stream
-        and the generator; nothing is set then."""
+        stream's first ``fork`` in torch's words, naming no stream. The streams are replaced
+        whole; their seeds are not restored (:meth:`seeds`).
+
+        Args:
+            states: stream name -> one state tensor per generator.
+
+        Raises:
+            ValueError: a state of another count, dtype or size, naming the stream and the
+                generator (nothing is set then); an empty name.
+            TypeError: a name that is no str.
+            RuntimeError: inside a :meth:`fork`.
+
+        Example:
+            >>> import torch
+            >>> saved = RNGStatesTracker([torch.Generator()])
+            >>> saved.add("model-parallel-rng", 3953)
+            >>> restored = RNGStatesTracker([torch.Generator()])
+            >>> restored.set_states(saved.get_states())
+            >>> restored.names(), restored.seeds()
+            (('model-parallel-rng',), {})
+        """
         if self._current is not None:
             raise RuntimeError(f"cannot set RNG states inside fork({self._current!r})")
         generators = self.generators
@@ -222,7 +273,32 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the block on stream ``name``; the outer state is restored on exit, even on error."""
+        """Run the block on stream ``name``; the outer state is restored on exit, even on error.
+
+        The stream continues where its last fork stopped.
+
+        Args:
+            name: a registered stream (default: the model-parallel one).
+
+        Yields:
+            Nothing: the block runs with the stream's state in the generators.
+
+        Raises:
+            ValueError: ``name`` is not registered, listing those that are.
+
+        Example:
+            >>> import torch
+            >>> generator = torch.Generator()
+            >>> tracker = RNGStatesTracker([generator])
+            >>> tracker.add("dropout", 1234)
+            >>> with tracker.fork("dropout"):
+            ...     first = torch.rand(2, generator=generator)
+            >>> with tracker.fork("dropout"):  # continues where the first fork stopped
+            ...     second = torch.rand(2, generator=generator)
+            >>> seeded = torch.Generator().manual_seed(1234)
+            >>> torch.equal(torch.cat([first, second]), torch.rand(4, generator=seeded))
+            True
+        """
         if name not in self._states:
             known = ", ".join(repr(n) for n in self._states) or "none"
             raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
@@ -679,7 +755,13 @@ class SeedCollision:
         return out_of_range.collisions()
 
     def describe(self) -> str:
-        """One line for people."""
+        """One line for people.
+
+        Returns:
+            The seed, the trackers, and the ranks with their coordinates (ranks sharing a seed)
+            or the first eight of them and their count (one rank's trackers, a seed out of range,
+            which also says what to do); the class example shows one.
+        """
         if self.kind != "across_ranks":
             shown = ", ".join(map(str, self.ranks[:8])) + (", ..." if len(self.ranks) > 8 else "")
             where = (
@@ -703,7 +785,12 @@ class SeedCollision:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready record."""
+        """A JSON-ready record.
+
+        Returns:
+            The fields by name, tuples as lists (``pgregistry seed-plan --check --json`` prints
+            them).
+        """
         return {
             "kind": self.kind,
             "seed": self.seed,
