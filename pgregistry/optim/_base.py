@@ -255,7 +255,14 @@ class FlatOptimizer(OptimizerStatistics):
     # --------------------------------------------------------------------------------------- naming
 
     def param_name(self, param: torch.Tensor) -> str:
-        """The caller's name for ``param`` (``param_name_fn``), else its position."""
+        """The caller's name for ``param`` (``param_name_fn``), else its position.
+
+        Args:
+            param: one of the optimizer's parameters.
+
+        Returns:
+            What ``param_name_fn`` gives, else ``"param[i]"``, ``i`` its position in ``params``.
+        """
         return self._name_fn(param)
 
     @property
@@ -432,26 +439,44 @@ class FlatOptimizer(OptimizerStatistics):
         self._reduce_keys = tuple(keys)
 
     def stats_reduce_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The groups this optimizer's statistics reduce over."""
+        """The groups this optimizer's statistics reduce over.
+
+        Returns:
+            Each group once, the statistics group first, in the order the reduction visits them.
+        """
         return self._reduce_keys
 
     def local_shares(self, shares: Shares) -> None:
         """Add this optimizer's groups and its spans' parts to ``shares``.
 
-        Every group is added, even one with nothing counted here. Refused once a later optimizer
-        took a parameter's grad, or grads left the buffer (its spans would read zeros, or stale
-        grads)."""
+        Every group is added, even one with nothing counted here.
+
+        Args:
+            shares: the shares one reduction fills (a chained optimizer's children share one).
+
+        Raises:
+            RuntimeError: a later optimizer took a parameter's grad, or grads left the buffer (its
+                spans would read zeros, or stale grads), naming the parameter.
+        """
         self._check_attached(first_only=True)
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
-        """The grads :meth:`step` reads (whole buffer or this rank's shard), duplicates included."""
+        """The grads :meth:`step` reads (whole buffer or this rank's shard), duplicates included.
+
+        Returns:
+            The tensors clipping scales: here the whole grad buffer, one tensor.
+        """
         return [self.buffer.data]
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
-        """This optimizer alone."""
+        """This optimizer alone.
+
+        Returns:
+            ``[self]``.
+        """
         return [self]
 
     # ---------------------------------------------------------------------------------------- steps
@@ -481,15 +506,25 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state (inner state and main copies), keyed by parameter name."""
+        """The optimizer state (inner state and main copies), keyed by parameter name.
+
+        Returns:
+            What :meth:`load_state_dict` takes back on an optimizer of the same layout and names.
+        """
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same layout, same names).
 
-        Strict: a state dict with any :meth:`state_dict_faults` is refused (``ValueError``, the
-        count and a few of them) before anything changes. The check is local; the ranks of
-        :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`), so every rank
-        of the instance refuses alike or none does."""
+        Strict: the ranks of :meth:`load_groups` agree on the :meth:`state_dict_faults` first
+        (:mod:`pgregistry.optim._state_check`), so every rank of the instance refuses alike or none
+        does, and a refused load changes nothing. Collective over :meth:`load_groups`.
+
+        Args:
+            state_dict: what :meth:`state_dict` returned on an optimizer of the same layout.
+
+        Raises:
+            ValueError: some rank of the instance found faults: the count and a few of them.
+        """
         refuse_agreed(
             f"{type(self).__name__}.load_state_dict",
             self.state_dict_faults(state_dict),
@@ -503,14 +538,25 @@ class FlatOptimizer(OptimizerStatistics):
 
         One small all-reduce over each: together they hold every rank of this optimizer's instance,
         replicas included, so a state refused on one rank is refused on all of them, never loaded by
-        its replicas alone."""
+        its replicas alone.
+
+        Returns:
+            The groups, each once (``None``: an axis that is off).
+        """
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:
         """Every reason :meth:`load_state_dict` would refuse ``state_dict`` (empty: it loads).
 
-        Missing or extra entries, saved tensors of another shape or dtype. Local; changes
-        nothing."""
+        Local (no collective); changes nothing.
+
+        Args:
+            state_dict: a candidate for :meth:`load_state_dict`, of any type.
+
+        Returns:
+            One line per fault: missing or extra entries, saved tensors of another shape or dtype;
+            empty when it loads.
+        """
 
     @abc.abstractmethod
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -521,14 +567,26 @@ class FlatOptimizer(OptimizerStatistics):
         """Model parameter -> its whole optimizer state.
 
         See :class:`~pgregistry.optim.ParamStateOptimizer`.
+
+        Returns:
+            Each model parameter -> its state (its main copy where there is one, and the update
+            rule's state), whole even where the optimizer shards it.
         """
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Restore :meth:`param_state` output of any layout.
 
         Saved under any layout: see :class:`~pgregistry.optim.ParamStateOptimizer`. Strict as
-        :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused
-        (``ValueError``) on every rank of :meth:`load_groups` before any rank changes anything."""
+        :meth:`load_state_dict`, and collective over :meth:`load_groups` as it is.
+
+        Args:
+            state: model parameter -> its state, as :meth:`param_state` gives it.
+
+        Raises:
+            ValueError: some rank of the instance found :meth:`param_state_faults` (or ``state``
+                is no mapping keyed by parameters), on every rank of :meth:`load_groups` before
+                any rank changes anything.
+        """
         refuse_agreed(
             f"{type(self).__name__}.load_param_state",
             param_state_key_faults(state) or self.param_state_faults(state),
@@ -540,8 +598,15 @@ class FlatOptimizer(OptimizerStatistics):
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
         """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong.
 
-        A main copy or elementwise state of another shape than its tensor's, state a flat step
-        cannot hold. Local; changes nothing."""
+        Local (no collective); changes nothing.
+
+        Args:
+            state: a candidate for :meth:`load_param_state`.
+
+        Returns:
+            One line per fault: a main copy or elementwise state of another shape than its
+            tensor's, state a flat step cannot hold; empty when it loads.
+        """
 
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
