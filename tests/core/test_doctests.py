@@ -5,8 +5,9 @@ set. Each module listed here must hold at least one example, so a module whose e
 dropped fails too. The examples of these modules are plain arithmetic (``pgregistry.rng`` imports
 torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are
 plain records), checks of a caller's argument (``pgregistry.mesh``, ``pgregistry.testing``), or
-lookups on a one-layer model and a collection assembled by hand (``pgregistry.attachments``); the
-examples that need a world are code blocks (``Example::``), not doctests.
+lookups on a one-layer model and collections assembled by hand (``pgregistry.attachments``, the
+grad statistics' groups); the examples that need a world are code blocks (``Example::``), not
+doctests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.audit",
     "pgregistry.collection",
     "pgregistry.experts._keys",
+    "pgregistry.grad_stats._filters",
     "pgregistry.layout",
     "pgregistry.mesh",
     "pgregistry.placement",
