@@ -743,6 +743,13 @@ class SeedCollision:
         past 2**64, which :func:`model_parallel_manual_seed` refuses on that rank; ``pgregistry
         seed-plan`` refuses to print such a plan, with these collisions' messages.
 
+        Args:
+            plan: rank -> tracker name -> seed, as :func:`seed_plan` returns it.
+
+        Returns:
+            One ``"out_of_range"`` collision per tracker with such seeds, naming every rank where
+            it happens; empty when every seed is in range.
+
         Example:
             >>> from pgregistry.layout import ParallelLayout
             >>> plan = seed_plan(ParallelLayout(num_ranks=2), 2**64 - 2000)

@@ -66,6 +66,20 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one
             bucket).
         param_name_fn: names parameters in state dicts and errors.
+
+    Raises:
+        ValueError: what :class:`~pgregistry.optim.FlatOptimizer` refuses; a ``main_dtype`` that
+            does not hold a parameter's dtype; ``main_dtype=None`` over parameters of several
+            dtypes; a ``bucket_numel`` that is not positive.
+        TypeError: what :class:`~pgregistry.optim.FlatOptimizer` refuses; a ``main_dtype`` that is
+            no floating dtype; a ``bucket_numel`` that is no whole number.
+
+    Example::
+
+        groups = setup_process_groups_for_optimizer(collection)
+        optimizer = MixedPrecisionOptimizer(
+            model.parameters(), groups, inner=inner_factory("adamw", lr=1e-4)
+        )
     """
 
     def __init__(
