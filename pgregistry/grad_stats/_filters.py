@@ -227,6 +227,17 @@ def is_counted(param: torch.Tensor, groups: StatsGroups) -> bool:
 
     Returns:
         ``True`` when this rank counts it.
+
+    Example:
+        >>> import torch
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> from pgregistry.params import mark_shared
+        >>> fields = ("tp", "mp", "expt_tp", "tp_ep_pp", "gtp_remat", "expt_gtp_remat")
+        >>> groups = StatsGroups.from_collection(ProcessGroupCollection(**dict.fromkeys(fields)))
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> tied_copy = mark_shared(torch.nn.Parameter(torch.zeros(2)))
+        >>> is_counted(weight, groups), is_counted(tied_copy, groups)
+        (True, False)
     """
     return param_is_not_shared(param) and all(role_verdicts(param, groups))
 
