@@ -90,10 +90,23 @@ def collection_of(model: nn.Module | Sequence[nn.Module], default: object = _RAI
         model: a model, or a list of model chunks.
         default: returned when no collection is attached (else ``LookupError``).
 
+    Returns:
+        The attached collection (one for every chunk), else ``default``.
+
     Raises:
         ValueError: naming the chunks, when they disagree, including when some carry a collection
             and others none.
         LookupError: none is attached and no ``default`` is given.
+
+    Example:
+        >>> import torch
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> model, collection = torch.nn.Linear(2, 2), ProcessGroupCollection(tp=None)
+        >>> attach(model, collection)
+        >>> collection_of(model) is collection, collection_of([model, model]) is collection
+        (True, True)
+        >>> collection_of(torch.nn.Linear(2, 2), None) is None
+        True
     """
     per_chunk: list[ProcessGroupCollection | None] = []
     for chunk in _as_chunks(model):
@@ -132,6 +145,22 @@ def wrapper_chain(module: nn.Module) -> Iterator[nn.Module]:
     inside the module they wrap, so the chain stopped at them: a model attached and then compiled
     (or wrapped for activation checkpointing) fell back to the global grid ("nor a model with one
     attached"), a TP model's norm summed over another grid.
+
+    Args:
+        module: a model, possibly wrapped (several times).
+
+    Yields:
+        ``module``, then each module it wraps, innermost last; each once, so a wrapper whose
+        ``.module`` leads back to itself ends the chain.
+
+    Example:
+        >>> import torch
+        >>> class Wrapper(torch.nn.Module):  # DDP's shape: the model it wraps is its .module
+        ...     def __init__(self, module: torch.nn.Module) -> None:
+        ...         super().__init__()
+        ...         self.module = module
+        >>> [type(m).__name__ for m in wrapper_chain(Wrapper(Wrapper(torch.nn.Linear(2, 2))))]
+        ['Wrapper', 'Wrapper', 'Linear']
     """
     seen: set[int] = set()
     current: object = module

@@ -200,6 +200,21 @@ class SuspectedTie:
         other_rank: The global rank holding ``other_name`` (of this rank's ``embd`` group).
         shape: The shape both share.
         evidence: What else points at a tie (each a short phrase, joined in the text).
+
+    Its ``str`` is the line the report prints: the pair, the evidence, and the fix either way.
+
+    Example:
+        >>> tie = SuspectedTie(
+        ...     name="lm_head.weight",
+        ...     other_name="embed.weight",
+        ...     other_rank=0,
+        ...     shape=(32, 8),
+        ...     evidence=("values that agree to 1e-5",),
+        ... )
+        >>> print(tie)  # doctest: +NORMALIZE_WHITESPACE
+        lm_head.weight and embed.weight on rank 0: same shape (32, 8), values that agree to 1e-5,
+        neither copy marked shared, so each is counted. If they are one weight tied across
+        pipeline stages, mark the last stage's copy with mark_shared ... nothing is wrong
     """
 
     name: str

@@ -70,7 +70,24 @@ __all__ = [
 
 
 class Unset(enum.Enum):
-    """Type of the :data:`UNSET` sentinel (an enum so type checkers can narrow on it)."""
+    """Type of the :data:`UNSET` sentinel (an enum so type checkers can narrow on it).
+
+    Its one member is a field nobody gave. It has no truth value: ``if pg.tp:`` would take an unset
+    field for an axis that is off, so test it with :meth:`ProcessGroupCollection.is_set`.
+
+    Raises:
+        TypeError: on ``bool(UNSET)`` (an ``if``, ``and``, ``not``), saying what to ask instead.
+
+    Example:
+        >>> collection = ProcessGroupCollection(tp=None)
+        >>> collection.dp, collection.is_set("dp"), collection.is_set("tp")
+        (UNSET, False, True)
+        >>> isinstance(collection.dp, Unset)
+        True
+        >>> bool(collection.dp)
+        Traceback (most recent call last):
+        TypeError: UNSET (nobody gave this field) has no truth value: ...
+    """
 
     UNSET = "UNSET"
 
@@ -89,7 +106,22 @@ UNSET: Final = Unset.UNSET
 
 
 class NotMember(enum.Enum):
-    """Type of the :data:`NOT_MEMBER` sentinel."""
+    """Type of the :data:`NOT_MEMBER` sentinel: this rank is in no group of the field's kind.
+
+    A middle pipeline stage has no embedding group; its ``embd`` is ``NOT_MEMBER``, set (not
+    ``UNSET``) but no group. Test it with :meth:`ProcessGroupCollection.is_member_of`.
+
+    Raises:
+        TypeError: on ``bool(NOT_MEMBER)``, saying what to ask instead.
+
+    Example:
+        >>> collection = ProcessGroupCollection(embd=NOT_MEMBER)
+        >>> collection.is_set("embd"), collection.is_member_of("embd")
+        (True, False)
+        >>> collection.get("embd")
+        Traceback (most recent call last):
+        ValueError: rank ... belongs to no 'embd' group of ... ask pg.is_member_of('embd') first
+    """
 
     NOT_MEMBER = "NOT_MEMBER"
 
@@ -321,7 +353,16 @@ class ProcessGroupCollection:
         return self._lifetime is not None and not self._lifetime.alive
 
     def describe(self) -> str:
-        """How messages name it: build name and layout, or "a collection assembled by hand"."""
+        """How messages name it: build name and layout, or "a collection assembled by hand".
+
+        Returns:
+            ``"layout 'name' ParallelLayout(...)"`` for a built collection, ``"collection 'name'"``
+            for a named one assembled by hand, else ``"a collection assembled by hand"``.
+
+        Example:
+            >>> ProcessGroupCollection(tp=None, name="toy").describe()
+            "collection 'toy'"
+        """
         if self._layout is None:
             return f"collection {self._name!r}" if self._name else "a collection assembled by hand"
         label = f"{self._name!r} " if self._name else ""
@@ -330,13 +371,44 @@ class ProcessGroupCollection:
     # --------------------------------------------------------------------------------------- access
 
     def is_set(self, name: FieldName) -> bool:
-        """Whether ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; not ``UNSET``."""
+        """Whether ``name`` holds a group, ``None`` (axis off) or ``NOT_MEMBER``; not ``UNSET``.
+
+        Args:
+            name: a field name (:data:`FIELD_NAMES`).
+
+        Returns:
+            ``False`` for a field nobody gave, ``True`` otherwise.
+
+        Raises:
+            ValueError: an unknown ``name`` (suggesting a close one); this rank is not a member of
+                the collection's layout (:attr:`is_member`).
+
+        Example:
+            >>> collection = ProcessGroupCollection(tp=None)
+            >>> collection.is_set("tp"), collection.is_set("dp")
+            (True, False)
+        """
         return self._raw_field(name) is not UNSET
 
     def is_member_of(self, name: FieldName) -> bool:
         """Whether this rank belongs to a group of kind ``name`` (``None``, axis off: rank 0 of 1).
 
-        ``AttributeError`` when ``name`` is UNSET, as :meth:`get`."""
+        Args:
+            name: a field name (:data:`FIELD_NAMES`).
+
+        Returns:
+            ``False`` where the field is ``NOT_MEMBER`` (an embedding group on a middle pipeline
+            stage), ``True`` for a group or ``None``.
+
+        Raises:
+            AttributeError: ``name`` is UNSET, as :meth:`get`.
+            ValueError: an unknown ``name``; this rank is not a member of the collection's layout.
+
+        Example:
+            >>> collection = ProcessGroupCollection(tp=None, embd=NOT_MEMBER)
+            >>> collection.is_member_of("tp"), collection.is_member_of("embd")
+            (True, False)
+        """
         value = self._raw_field(name)
         if isinstance(value, Unset):
             raise self._unset_error(name)
@@ -351,8 +423,29 @@ class ProcessGroupCollection:
     def get(self, name: FieldName) -> ProcessGroup | list[ProcessGroup] | None:
         """The group (or ``None`` = axis off) of ``name``.
 
-        Raises, naming the field, when it is UNSET (``AttributeError``) or when this rank belongs to
-        no group of that kind (``ValueError``)."""
+        Attribute access (``collection.tp``) answers ``UNSET`` or ``NOT_MEMBER`` where ``get``
+        raises.
+
+        Args:
+            name: a field name (:data:`FIELD_NAMES`).
+
+        Returns:
+            This rank's group of that kind; ``None`` where the axis is off; for ``hcp``, a list of
+            groups.
+
+        Raises:
+            AttributeError: the field is UNSET, naming it.
+            ValueError: this rank belongs to no group of that kind (``NOT_MEMBER``), naming it; an
+                unknown ``name``; this rank is not a member of the collection's layout.
+
+        Example:
+            >>> collection = ProcessGroupCollection(tp=None)
+            >>> collection.get("tp") is None
+            True
+            >>> collection.get("dp")
+            Traceback (most recent call last):
+            AttributeError: process group 'dp' is not set in this ProcessGroupCollection; ...
+        """
         value = self._raw_field(name)
         if isinstance(value, Unset):
             raise self._unset_error(name)
@@ -365,7 +458,23 @@ class ProcessGroupCollection:
         return value
 
     def get_or(self, name: GroupName, default: D) -> ProcessGroup | None | D:
-        """The group (or ``None`` = axis off) of ``name`` when it is set, else ``default``."""
+        """The group (or ``None`` = axis off) of ``name`` when it is set, else ``default``.
+
+        Args:
+            name: a field name (:data:`FIELD_NAMES`).
+            default: returned when the field is UNSET.
+
+        Returns:
+            What :meth:`get` returns, or ``default``.
+
+        Raises:
+            ValueError: as :meth:`get`: this rank belongs to no group of that kind, an unknown
+                ``name``, or this rank is not a member of the collection's layout.
+
+        Example:
+            >>> ProcessGroupCollection(tp=None).get_or("dp", "no dp group given")
+            'no dp group given'
+        """
         if not self.is_set(name):
             return default
         return self.get(name)
@@ -373,8 +482,26 @@ class ProcessGroupCollection:
     def evolve(self, **changes: FieldValue) -> ProcessGroupCollection:
         """A copy with ``changes`` applied, checked like a new collection (against the layout too).
 
-        Unknown names raise ``ValueError``. The copy keeps the layout, name and one-rank group, and
-        dies with the original's groups (:func:`pgregistry.registry.destroy`)."""
+        The copy keeps the layout, name and one-rank group, and dies with the original's groups
+        (:func:`pgregistry.registry.destroy`). The original is unchanged.
+
+        Args:
+            **changes: field name -> new value: a group, ``None`` (axis off), ``UNSET`` or
+                ``NOT_MEMBER``.
+
+        Returns:
+            The new collection.
+
+        Raises:
+            ValueError: an unknown field name (suggesting a close one); a value the layout refuses,
+                as :class:`ProcessGroupCollection` does; this rank is not a member of the layout.
+            TypeError: a value that is no group, ``None`` or sentinel.
+
+        Example:
+            >>> collection = ProcessGroupCollection(tp=None)
+            >>> collection.evolve(dp=None).is_set("dp"), collection.is_set("dp")
+            (True, False)
+        """
         fields: dict[str, FieldValue] = dict(self.items())
         fields.update(changes)
         copy = ProcessGroupCollection(
@@ -384,7 +511,19 @@ class ProcessGroupCollection:
         return copy
 
     def items(self) -> Iterator[tuple[FieldName, FieldValue]]:
-        """``(name, value)`` for every field, UNSET ones included, in declaration order."""
+        """``(name, value)`` for every field, UNSET ones included, in declaration order.
+
+        Yields:
+            Each field's name (:data:`FIELD_NAMES` order) and value: a group, ``None``, ``UNSET``
+            or ``NOT_MEMBER``.
+
+        Raises:
+            ValueError: this rank is not a member of the collection's layout.
+
+        Example:
+            >>> [name for name, value in ProcessGroupCollection(tp=None).items() if value is None]
+            ['tp']
+        """
         self._check_member()
         for name in FIELD_NAMES:
             yield name, self._values[name]
@@ -806,7 +945,26 @@ def _check_group(group: object) -> None:
 def check_field_names(names: Iterable[str]) -> tuple[FieldName, ...]:
     """``names`` as a tuple; ``ValueError`` suggesting a close match for the first unknown one.
 
-    ``TypeError`` for a name that is no str (``None``, a pair), which difflib cannot compare."""
+    For the code that takes field names (a collection's keywords, a mesh's dims, a door's field),
+    before it reads them.
+
+    Args:
+        names: collection field names (:data:`FIELD_NAMES`).
+
+    Returns:
+        ``names`` as a tuple, in their order.
+
+    Raises:
+        TypeError: a name that is no str (``None``, a pair), which difflib cannot compare.
+        ValueError: the first unknown name, with a close known one where there is one.
+
+    Example:
+        >>> check_field_names(["tp", "dp"])
+        ('tp', 'dp')
+        >>> check_field_names(["tpp"])
+        Traceback (most recent call last):
+        ValueError: Unknown attribute: 'tpp'; did you mean 'tp'? (known: ...)
+    """
     names = tuple(names)
     for name in names:
         if not isinstance(name, str):

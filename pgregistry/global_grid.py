@@ -65,7 +65,9 @@ def global_collection(default: D) -> ProcessGroupCollection | D: ...
 
 
 def global_collection(default: object = _RAISE) -> object:
-    """The global grid.
+    """The global grid's collection, or ``default`` where none is initialised.
+
+    Only the doors read it (code given no collection); library code takes a collection instead.
 
     Args:
         default: returned when none is initialised (or it was destroyed).
@@ -74,7 +76,15 @@ def global_collection(default: object = _RAISE) -> object:
         The collection :func:`initialize_global_grid` built, else ``default``.
 
     Raises:
-        RuntimeError: none is initialised (or it was destroyed) and no ``default`` is given.
+        RuntimeError: none is initialised (or it was destroyed) and no ``default`` is given; the
+            message says which and how to initialise one.
+
+    Example::
+
+        initialize_global_grid(ParallelLayout(num_ranks=8, tp=2))
+        global_collection().get("tp")  # this rank's tp group
+        pgregistry.registry.destroy()
+        global_collection(None)  # None: the grid was destroyed
     """
     if _grid is None or _grid.is_destroyed:
         if default is _RAISE:

@@ -143,7 +143,20 @@ GROUP_KINDS: Final[tuple[str, ...]] = (
 def require_layout(layout: object) -> None:
     """``TypeError`` for a ``layout`` that is no :class:`ParallelLayout` (``None``, keywords).
 
-    For the functions that take a layout (the seed plan, placement), before they read it."""
+    For the functions that take a layout (the seed plan, placement), before they read it.
+
+    Args:
+        layout: what the caller was given as a layout.
+
+    Raises:
+        TypeError: ``layout`` is no :class:`ParallelLayout`; the message shows how to make one.
+
+    Example:
+        >>> require_layout(ParallelLayout(num_ranks=8, tp=2))
+        >>> require_layout({"num_ranks": 8, "tp": 2})
+        Traceback (most recent call last):
+        TypeError: layout must be a pgregistry.layout.ParallelLayout (such as ...), got dict
+    """
     if not isinstance(layout, ParallelLayout):
         raise TypeError(
             "layout must be a pgregistry.layout.ParallelLayout (such as "
@@ -422,7 +435,24 @@ class ParallelLayout:
     # -------------------------------------------------------------------------------------- queries
 
     def groups_tensor(self, kind: str) -> torch.Tensor:
-        """Every group of ``kind`` as a ``[num_groups, group_size]`` int64 tensor (fast path)."""
+        """Every group of ``kind`` as a ``[num_groups, group_size]`` int64 tensor (fast path).
+
+        What :meth:`groups` enumerates, without building a tuple per group.
+
+        Args:
+            kind: a :data:`GROUP_KINDS` name.
+
+        Returns:
+            One row per group, its ranks in grid order, on the CPU.
+
+        Raises:
+            ValueError: an unknown ``kind``, listing the known ones (with a close match).
+            TypeError: a ``kind`` that is no str.
+
+        Example:
+            >>> ParallelLayout(num_ranks=8, tp=2, pp=2).groups_tensor("tp").tolist()
+            [[0, 1], [2, 3], [4, 5], [6, 7]]
+        """
         _check_kind_is_a_name(kind)
         if kind in DENSE_GROUP_KINDS:
             return self._dense.all_groups(DENSE_GROUP_KINDS[kind])
@@ -438,8 +468,19 @@ class ParallelLayout:
         By arithmetic alone, so a caller can size what enumerating a huge layout would take before
         doing it.
 
-        >>> ParallelLayout(num_ranks=131072, tp=8, pp=16).group_shape("dp")
-        (128, 1024)
+        Args:
+            kind: a :data:`GROUP_KINDS` name.
+
+        Returns:
+            ``(number of groups, ranks per group)``.
+
+        Raises:
+            ValueError: an unknown ``kind``, listing the known ones (with a close match).
+            TypeError: a ``kind`` that is no str.
+
+        Example:
+            >>> ParallelLayout(num_ranks=131072, tp=8, pp=16).group_shape("dp")
+            (128, 1024)
         """
         _check_kind_is_a_name(kind)
         if kind in _PIPELINE_EDGE_KINDS:
@@ -458,8 +499,18 @@ class ParallelLayout:
 
         ``embd`` and ``pos_embd`` hold the first and last pipeline stage (``[first]`` when pp is 1)
         and the first stage of each pipeline group, as Megatron-Core builds them; ranks outside them
-        belong to no such group. ``ValueError`` for an unknown kind, listing the known ones;
-        ``TypeError`` for a kind that is no str.
+        belong to no such group.
+
+        Args:
+            kind: a :data:`GROUP_KINDS` name.
+
+        Returns:
+            Every group of the kind, each a tuple of global ranks; the groups of a kind other than
+            the embedding ones partition the layout's ranks.
+
+        Raises:
+            ValueError: an unknown ``kind``, listing the known ones (with a close match).
+            TypeError: a ``kind`` that is no str.
 
         Example:
             >>> ParallelLayout(num_ranks=8, tp=2, pp=2).groups("dp")
@@ -472,12 +523,23 @@ class ParallelLayout:
     def groups_of(self, rank: int) -> dict[str, RankGroup | None]:
         """Group kind -> the group holding ``rank`` (``None`` for embedding kinds it is not in).
 
-        Computed for ``rank`` alone (no kind is enumerated). ``ValueError`` for a rank outside the
-        layout.
+        Computed for ``rank`` alone (no kind is enumerated).
 
-        >>> groups = ParallelLayout(num_ranks=8, tp=2, pp=2).groups_of(5)
-        >>> groups["tp"], groups["dp"], groups["embd"]
-        ((4, 5), (5, 7), (1, 5))
+        Args:
+            rank: a global rank of the layout.
+
+        Returns:
+            Every :data:`GROUP_KINDS` name -> the group (a tuple of global ranks) holding ``rank``,
+            or ``None`` for an embedding kind it is not in.
+
+        Raises:
+            ValueError: a rank outside the layout's ranks.
+            TypeError: a rank that is no integer (a bool too: ``True`` is not rank 1).
+
+        Example:
+            >>> groups = ParallelLayout(num_ranks=8, tp=2, pp=2).groups_of(5)
+            >>> groups["tp"], groups["dp"], groups["embd"]
+            ((4, 5), (5, 7), (1, 5))
         """
         rank = self._check_rank(rank)
         out: dict[str, RankGroup | None] = {}
@@ -498,9 +560,21 @@ class ParallelLayout:
         The dense axes are ``tp, gtp_remat, cp, dp, pp``, the expert ones ``expt_tp, ep,
         expt_gtp_remat, expt_dp``.
 
-        >>> coords = ParallelLayout(num_ranks=8, tp=2, pp=2).coords(5)
-        >>> coords["tp"], coords["dp"], coords["pp"]
-        (1, 0, 1)
+        Args:
+            rank: a global rank of the layout.
+
+        Returns:
+            Axis -> ``rank``'s coordinate along it (0 for an axis of size 1), the axes of
+            :meth:`axis_sizes`.
+
+        Raises:
+            ValueError: a rank outside the layout's ranks.
+            TypeError: a rank that is no integer (a bool too).
+
+        Example:
+            >>> coords = ParallelLayout(num_ranks=8, tp=2, pp=2).coords(5)
+            >>> coords["tp"], coords["dp"], coords["pp"]
+            (1, 0, 1)
         """
         rank = self._check_rank(rank)
         dense = self._dense.coords(rank)
@@ -510,19 +584,46 @@ class ParallelLayout:
         }
 
     def axis_sizes(self) -> dict[str, int]:
-        """Axis -> size, with the same names as :meth:`coords`."""
+        """Axis -> size, with the same names as :meth:`coords`.
+
+        Returns:
+            Each axis of both grids (dense, then expert) -> its size, the derived ``dp`` and
+            ``expt_dp`` included.
+
+        Example:
+            >>> ParallelLayout(num_ranks=8, tp=2, pp=2).axis_sizes()["dp"]
+            2
+        """
         return {axis: int(getattr(self, axis)) for axis in _AXIS_SIZES}
 
     def rank_range(self) -> tuple[int, int]:
         """``(first, stop)``: the layout's ranks are ``range(first, stop)``.
 
-        >>> ParallelLayout(num_ranks=4, tp=2, rank_offset=4).rank_range()
-        (4, 8)
+        Returns:
+            ``(rank_offset, rank_offset + num_ranks)``.
+
+        Example:
+            >>> ParallelLayout(num_ranks=4, tp=2, rank_offset=4).rank_range()
+            (4, 8)
         """
         return self.rank_offset, self.rank_offset + self.num_ranks
 
     def fingerprint(self) -> str:
-        """A stable digest of the declared layout, equal on all ranks declaring the same one."""
+        """A stable digest of the declared layout, equal on all ranks declaring the same one.
+
+        The digest covers every size, the offset and the order, and no process's state, so it is
+        the same across processes and runs.
+
+        Returns:
+            16 hex digits.
+
+        Example:
+            >>> a = ParallelLayout(num_ranks=8, tp=2, pp=2)
+            >>> a.fingerprint() == ParallelLayout(num_ranks=8, pp=2, tp=2).fingerprint()
+            True
+            >>> a.fingerprint() == ParallelLayout(num_ranks=8, tp=2).fingerprint()
+            False
+        """
         text = (
             f"v2|ranks={self.num_ranks}|offset={self.rank_offset}|"
             f"tp={self.tp}|cp={self.cp}|pp={self.pp}|ep={self.ep}|expt_tp={self.expt_tp}|"
@@ -543,6 +644,15 @@ class ParallelLayout:
         from ``rank_offset`` in their old order, and every group of the survivors keeps its members
         (only the data-parallel kinds lose some). ``sharded_optimizer``: the optimizer state is
         sharded over the data-parallel replicas, so losing any replica loses a shard.
+
+        Args:
+            lost: the lost global ranks (any order; repeats are one).
+            sharded_optimizer: whether the optimizer state is sharded over the data-parallel
+                replicas.
+
+        Returns:
+            The :class:`Shrunk` record: the lost and leaving ranks, the smaller layout and the
+            old -> new rank map.
 
         Raises:
             ValueError: naming the ranks, for a rank outside the layout, a loss that leaves no copy

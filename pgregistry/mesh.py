@@ -248,7 +248,22 @@ def device_type_problem(device_type: object) -> str | None:
     """Why ``device_type`` names no torch device type (``"gpu"``, ``"cuda:0"``), else ``None``.
 
     ``DeviceMesh`` takes any string: a mesh of ``"gpu"`` was made, and failed deep in torch at its
-    first DTensor."""
+    first DTensor. Only the name is checked: ``"cuda"`` passes on a machine without a GPU.
+
+    Args:
+        device_type: what the caller gave as the mesh's device type.
+
+    Returns:
+        ``None`` for a torch device type without an index (``"cpu"``, ``"cuda"``), else a message
+        naming ``device_type`` and the fix, for the caller's ``ValueError``.
+
+    Example:
+        >>> device_type_problem("cuda") is None
+        True
+        >>> print(device_type_problem("cuda:0"))  # doctest: +NORMALIZE_WHITESPACE
+        device_type 'cuda:0' is no torch device type: give one such as 'cuda' or 'cpu'
+        (a type, without an index)
+    """
     import torch
 
     if isinstance(device_type, str) and ":" not in device_type:

@@ -147,6 +147,13 @@ def role_generation() -> int:
 
     Returns:
         The counter's value.
+
+    Example:
+        >>> import torch
+        >>> before = role_generation()
+        >>> _ = mark_shared(torch.nn.Parameter(torch.zeros(2)))
+        >>> role_generation() > before
+        True
     """
     return _generation
 
@@ -252,6 +259,12 @@ def mark_shared(param: T) -> T:
 
     Raises:
         TypeError: ``param`` not a tensor.
+
+    Example:
+        >>> import torch
+        >>> tied_copy = mark_shared(torch.nn.Parameter(torch.zeros(4, 2)))
+        >>> param_roles(tied_copy)
+        {'shared': True}
     """
     _require_tensor(param, "mark_shared")
     return _set_roles(param, shared=True)
@@ -311,6 +324,12 @@ def param_roles(param: torch.Tensor) -> dict[str, Any]:
     Returns:
         Role attribute -> value, for those ``param`` carries (``tensor_model_parallel``,
         ``allreduce``, ``shared``, ...).
+
+    Example:
+        >>> import torch
+        >>> param = torch.nn.Parameter(torch.zeros(2))
+        >>> param_roles(param), param_roles(mark_gtp_sharded(param))
+        ({}, {'is_gtp_weight_remat': True})
     """
     return {name: getattr(param, name) for name in ROLE_ATTRIBUTES if hasattr(param, name)}
 
@@ -570,6 +589,11 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
     Returns:
         ``True`` for a routed-expert parameter.
+
+    Example:
+        >>> import torch
+        >>> is_expert_param(torch.zeros(2)), is_expert_param(mark_expert(torch.zeros(2)))
+        (False, True)
     """
     return getattr(param, "allreduce", True) is False
 

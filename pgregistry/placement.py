@@ -106,7 +106,20 @@ class KindPlacement:
         return f"{crossing}; should stay on one node" if self.violated else crossing
 
     def warning(self, gpus_per_node: int) -> str:
-        """The message a user sees when :attr:`violated`."""
+        """The message a user sees when :attr:`violated`.
+
+        Args:
+            gpus_per_node: the node size the placement was made for (it names the nodes).
+
+        Returns:
+            One line: how many groups cross nodes, the first one and its nodes.
+
+        Example:
+            >>> from pgregistry.layout import ParallelLayout
+            >>> dp_first = ParallelLayout(num_ranks=16, tp=2, order="dp-tp-cp-ep-pp")
+            >>> print(place(dp_first, gpus_per_node=8).kind("tp").warning(8))
+            tp groups cross nodes: 8 of 8 groups of 2 ranks span up to 2 nodes of 8 GPUs (first: ...
+        """
         group = self.first_crossing
         assert group is not None, "warning() is for kinds whose groups cross nodes"
         nodes = sorted({node_of(r, gpus_per_node) for r in group})
@@ -174,9 +187,10 @@ class Placement:
     def describe_nodes(self) -> str:
         """Where the layout's ranks lie, in words, for headings.
 
-        ``"4 nodes of 8 GPUs"`` for a layout over the whole world, else where its span lies, e.g.
-        ``"ranks 2-5 on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with ranks
-        6-7"``.
+        Returns:
+            ``"4 nodes of 8 GPUs"`` for a layout over the whole world, else where its span lies,
+            e.g. ``"ranks 2-5 on nodes 0-1 of 4 GPUs, sharing node 0 with ranks 0-1 and node 1 with
+            ranks 6-7"`` (the class example).
         """
         gpus = f"{self.gpus_per_node} GPU{'' if self.gpus_per_node == 1 else 's'}"
         first, stop = self.layout.rank_range()
@@ -196,18 +210,43 @@ class Placement:
         return text + (f", sharing {' and '.join(shared)}" if shared else "")
 
     def kind(self, name: str) -> KindPlacement:
-        """The placement of kind ``name``; ``ValueError`` for an unknown kind."""
+        """The placement of kind ``name``; ``ValueError`` for an unknown kind.
+
+        Args:
+            name: a :data:`~pgregistry.layout.GROUP_KINDS` name.
+
+        Returns:
+            Its :class:`KindPlacement`.
+
+        Raises:
+            ValueError: an unknown ``name``, listing the known ones.
+        """
         for entry in self.kinds:
             if entry.kind == name:
                 return entry
         raise ValueError(f"unknown group kind {name!r}; known kinds: {', '.join(GROUP_KINDS)}")
 
     def violations(self) -> tuple[KindPlacement, ...]:
-        """The kinds that should stay on one node but cross nodes."""
+        """The kinds that should stay on one node but cross nodes.
+
+        Returns:
+            Their :class:`KindPlacement` entries, in :data:`~pgregistry.layout.GROUP_KINDS` order;
+            empty when the placement is fine.
+
+        Example:
+            >>> from pgregistry.layout import ParallelLayout
+            >>> dp_first = ParallelLayout(num_ranks=16, tp=2, order="dp-tp-cp-ep-pp")
+            >>> [entry.kind for entry in place(dp_first, gpus_per_node=8).violations()]
+            ['tp', 'expt_tp']
+        """
         return tuple(entry for entry in self.kinds if entry.violated)
 
     def warnings(self) -> list[str]:
-        """One message per violated kind (empty when the placement is fine)."""
+        """One message per violated kind (empty when the placement is fine).
+
+        Returns:
+            :meth:`KindPlacement.warning` of each of :meth:`violations`, in their order.
+        """
         return [entry.warning(self.gpus_per_node) for entry in self.violations()]
 
 

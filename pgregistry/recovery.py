@@ -109,6 +109,10 @@ class LeftWithReplica(RuntimeError):
     drops that replica whole, so these ranks have no place in the re-formed world: end the
     process, or keep it as a spare.
 
+    Args:
+        message: the text :func:`recover` gives: the lost ranks and why this rank leaves.
+        shrunk: kept as the attribute of that name.
+
     Attributes:
         shrunk: The :class:`~pgregistry.layout.Shrunk` every rank agreed on: who was lost, who
             left with them, the smaller layout and the old -> new rank map.
@@ -131,7 +135,19 @@ class StoreLost(RuntimeError):
     """The store :func:`recover` was given stopped answering: its host is lost.
 
     With it goes the only place the survivors meet. Not survivable: restart the job from the last
-    checkpoint. Every survivor raises it, naming the store's address and the phase it was in.
+    checkpoint. Every survivor raises it, naming the store's address and the phase it was in; the
+    store's own error is chained as ``__cause__``.
+
+    Args:
+        message: the store's address, this rank, the phase and what to do.
+
+    Example::
+
+        try:
+            recovered = recover(collection, store, committed_step=step)
+        except StoreLost:
+            log.exception("store lost: restart from the last checkpoint")
+            sys.exit(1)  # the launcher restarts the job with a store no training rank hosts
     """
 
 
@@ -142,6 +158,13 @@ class Recovered:
     Everything training needs to continue on the smaller world (the new collection, this rank's
     new number, the step to resume after) and the figures of the recovery itself. Each field is
     described below.
+
+    Example::
+
+        recovered = recover(collection, store, committed_step=step)
+        collection, step = recovered.collection, recovered.committed_step + 1
+        dp = collection.get("dp")  # shard the data over the smaller data-parallel group
+        sampler = DistributedSampler(data, num_replicas=group_size(dp), rank=group_rank(dp))
     """
 
     collection: ProcessGroupCollection

@@ -142,7 +142,11 @@ class RNGStatesTracker:
         return self._generators
 
     def reset(self) -> None:
-        """Forget every stream and seed (the generators' current states are left as they are)."""
+        """Forget every stream and seed (the generators' current states are left as they are).
+
+        Raises:
+            RuntimeError: inside a :meth:`fork`, naming the stream.
+        """
         if self._current is not None:
             raise RuntimeError(f"cannot reset the RNG tracker inside fork({self._current!r})")
         self._states.clear()
@@ -152,10 +156,25 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` seeded with ``seed``; the generators' current states are kept.
 
-        Raises ``ValueError`` when ``name`` is already registered or ``seed`` is already used by
-        another stream: two streams with one seed would draw the same numbers, which is never
-        intended. A ``name`` that is no non-empty str is refused too (``TypeError``, ``ValueError``
-        for ``""``).
+        Two streams with one seed would draw the same numbers, which is never intended, so a seed
+        already used is refused.
+
+        Args:
+            name: the stream's name, a non-empty str.
+            seed: an integer in [0, 2**64).
+
+        Raises:
+            ValueError: ``name`` is already registered or ``""``; ``seed`` is already used by
+                another stream (naming it) or outside [0, 2**64).
+            TypeError: ``name`` is no str.
+
+        Example:
+            >>> import torch
+            >>> tracker = RNGStatesTracker([torch.Generator()])
+            >>> tracker.add("model-parallel-rng", 3953)
+            >>> tracker.add("expert-parallel-rng", 3953)
+            Traceback (most recent call last):
+            ValueError: seed 3953 for RNG tracker 'expert-parallel-rng' is already used by ...
         """
         _check_name(name)
         seed = _check_seed(seed, name)
@@ -177,15 +196,28 @@ class RNGStatesTracker:
         self._seeds[seed] = name
 
     def names(self) -> tuple[str, ...]:
-        """Registered stream names, in registration order."""
+        """Registered stream names, in registration order.
+
+        Returns:
+            The names, those restored by :meth:`set_states` included.
+        """
         return tuple(self._states)
 
     def seeds(self) -> dict[str, int]:
-        """Stream name -> the seed it was added with (none if set by :meth:`set_states` alone)."""
+        """Stream name -> the seed it was added with (none if set by :meth:`set_states` alone).
+
+        Returns:
+            A new dict; streams restored from states carry no seed.
+        """
         return {name: seed for seed, name in self._seeds.items()}
 
     def get_states(self) -> dict[str, RNGState]:
-        """A copy of every stream's state, for checkpoints."""
+        """A copy of every stream's state, for checkpoints.
+
+        Returns:
+            Stream name -> one ``uint8`` state tensor per generator, in :attr:`generators` order
+            (clones: drawing later changes none of them).
+        """
         return {name: tuple(t.clone() for t in state) for name, state in self._states.items()}
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
@@ -193,8 +225,27 @@ class RNGStatesTracker:
 
         Each state is checked against the generator it is for (a ``uint8`` tensor of that
         generator's state size): a state of another size or dtype was taken, and failed at the
-        stream's first ``fork`` in torch's words, naming no stream. ``ValueError`` naming the stream
-        and the generator; nothing is set then."""
+        stream's first ``fork`` in torch's words, naming no stream. The streams are replaced
+        whole; their seeds are not restored (:meth:`seeds`).
+
+        Args:
+            states: stream name -> one state tensor per generator.
+
+        Raises:
+            ValueError: a state of another count, dtype or size, naming the stream and the
+                generator (nothing is set then); an empty name.
+            TypeError: a name that is no str.
+            RuntimeError: inside a :meth:`fork`.
+
+        Example:
+            >>> import torch
+            >>> saved = RNGStatesTracker([torch.Generator()])
+            >>> saved.add("model-parallel-rng", 3953)
+            >>> restored = RNGStatesTracker([torch.Generator()])
+            >>> restored.set_states(saved.get_states())
+            >>> restored.names(), restored.seeds()
+            (('model-parallel-rng',), {})
+        """
         if self._current is not None:
             raise RuntimeError(f"cannot set RNG states inside fork({self._current!r})")
         generators = self.generators
@@ -222,7 +273,32 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the block on stream ``name``; the outer state is restored on exit, even on error."""
+        """Run the block on stream ``name``; the outer state is restored on exit, even on error.
+
+        The stream continues where its last fork stopped.
+
+        Args:
+            name: a registered stream (default: the model-parallel one).
+
+        Yields:
+            Nothing: the block runs with the stream's state in the generators.
+
+        Raises:
+            ValueError: ``name`` is not registered, listing those that are.
+
+        Example:
+            >>> import torch
+            >>> generator = torch.Generator()
+            >>> tracker = RNGStatesTracker([generator])
+            >>> tracker.add("dropout", 1234)
+            >>> with tracker.fork("dropout"):
+            ...     first = torch.rand(2, generator=generator)
+            >>> with tracker.fork("dropout"):  # continues where the first fork stopped
+            ...     second = torch.rand(2, generator=generator)
+            >>> seeded = torch.Generator().manual_seed(1234)
+            >>> torch.equal(torch.cat([first, second]), torch.rand(4, generator=seeded))
+            True
+        """
         if name not in self._states:
             known = ", ".join(repr(n) for n in self._states) or "none"
             raise ValueError(f"RNG tracker {name!r} is not registered (registered: {known})")
@@ -396,7 +472,20 @@ _SEED_FIELDS: Final[tuple[GroupName, ...]] = (
 def seed_fields(data_parallel_random_init: bool) -> tuple[GroupName, ...]:
     """The collection fields :func:`rank_seeds` reads.
 
-    :data:`_SEED_FIELDS`, and ``dp`` with ``data_parallel_random_init``."""
+    The entry points resolve these (and only these) before they seed, so a collection that leaves
+    another field unset still seeds.
+
+    Args:
+        data_parallel_random_init: whether each data-parallel rank gets its own seeds (Megatron's
+            flag of that name), which adds ``dp``.
+
+    Returns:
+        :data:`_SEED_FIELDS`, then ``dp`` with ``data_parallel_random_init``.
+
+    Example:
+        >>> seed_fields(data_parallel_random_init=True)
+        ('pp', 'tp', 'ep', 'expt_tp', 'gtp_remat', 'expt_gtp_remat', 'dp')
+    """
     return _SEED_FIELDS + (("dp",) if data_parallel_random_init else ())
 
 
@@ -405,7 +494,30 @@ def rank_seeds(
 ) -> dict[str, int]:
     """Tracker name -> seed of this rank, from the job's ``seed`` and a resolved collection.
 
-    The collection has its :func:`seed_fields` set."""
+    Reads this rank's place in each :func:`seed_fields` group and applies Megatron-Core's formulas
+    (:func:`tracker_seeds`); seeds nothing (:func:`model_parallel_manual_seed` does).
+
+    Args:
+        seed: the job's seed, the same on every rank.
+        collection: a collection with its :func:`seed_fields` set (``None``: the axis is off, rank
+            0 of 1).
+        data_parallel_random_init: whether each data-parallel rank gets its own seeds.
+
+    Returns:
+        Tracker name -> seed, for :meth:`RNGStatesTracker.add`.
+
+    Raises:
+        AttributeError: a field of :func:`seed_fields` is unset, naming it.
+        ValueError: this rank is in no group of one of them; ``seed`` not an integer in [0, 2**64).
+            Seeds the offsets carry past 2**64 are returned; :meth:`RNGStatesTracker.add` refuses
+            them.
+
+    Example:
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> every_axis_off = ProcessGroupCollection(**dict.fromkeys(seed_fields(False)))
+        >>> rank_seeds(1234, every_axis_off, data_parallel_random_init=False)
+        {'data-parallel-rng': 1234, 'model-parallel-rng': 3952, 'expert-parallel-rng': 2258}
+    """
     rank = {name: group_rank(collection.get(name)) for name in _SEED_FIELDS}
     dp_rank = group_rank(collection.get("dp")) if data_parallel_random_init else 0
     return tracker_seeds(
@@ -601,6 +713,19 @@ class SeedCollision:
             holds.
         axes: the axes the ranks' coordinates differ in (empty unless ``"across_ranks"``).
         coords: each rank's coordinates, in ``axes`` order (empty unless ``"across_ranks"``).
+
+    :func:`check_seed_plan` returns them; :meth:`describe` is the line for people,
+    :meth:`to_dict` the record for JSON.
+
+    Example:
+        >>> from pgregistry.layout import ParallelLayout
+        >>> collision = check_seed_plan(ParallelLayout(num_ranks=4, tp=2), 2**64 - 50)[0]
+        >>> collision.kind, collision.trackers, collision.ranks
+        ('out_of_range', ('model-parallel-rng',), (0, 1, 2, 3))
+        >>> print(collision.describe())  # doctest: +NORMALIZE_WHITESPACE
+        seed 18446744073709554284 of tracker model-parallel-rng on each of ranks 0, 1, 2, 3
+        (4 ranks) is outside [0, 2**64), which model_parallel_manual_seed refuses:
+        use a smaller seed
     """
 
     kind: Literal["across_ranks", "within_rank", "out_of_range"]
@@ -618,6 +743,13 @@ class SeedCollision:
         past 2**64, which :func:`model_parallel_manual_seed` refuses on that rank; ``pgregistry
         seed-plan`` refuses to print such a plan, with these collisions' messages.
 
+        Args:
+            plan: rank -> tracker name -> seed, as :func:`seed_plan` returns it.
+
+        Returns:
+            One ``"out_of_range"`` collision per tracker with such seeds, naming every rank where
+            it happens; empty when every seed is in range.
+
         Example:
             >>> from pgregistry.layout import ParallelLayout
             >>> plan = seed_plan(ParallelLayout(num_ranks=2), 2**64 - 2000)
@@ -630,7 +762,13 @@ class SeedCollision:
         return out_of_range.collisions()
 
     def describe(self) -> str:
-        """One line for people."""
+        """One line for people.
+
+        Returns:
+            The seed, the trackers, and the ranks with their coordinates (ranks sharing a seed)
+            or the first eight of them and their count (one rank's trackers, a seed out of range,
+            which also says what to do); the class example shows one.
+        """
         if self.kind != "across_ranks":
             shown = ", ".join(map(str, self.ranks[:8])) + (", ..." if len(self.ranks) > 8 else "")
             where = (
@@ -654,7 +792,12 @@ class SeedCollision:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready record."""
+        """A JSON-ready record.
+
+        Returns:
+            The fields by name, tuples as lists (``pgregistry seed-plan --check --json`` prints
+            them).
+        """
         return {
             "kind": self.kind,
             "seed": self.seed,

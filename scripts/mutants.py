@@ -2187,8 +2187,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the statistics read the flat buffer after model.zero_grad() detached every grad from it: without a "
         "sync_grads (one replica) a norm of 0.0 for 2.83, every step",
         file="pgregistry/optim/_base.py",
-        find="        grads).\"\"\"\n        self._check_attached(first_only=True)",
-        replace="        grads).\"\"\"\n        self._check_not_taken_over()",
+        find="naming the parameter.\n        \"\"\"\n        self._check_attached(first_only=True)",
+        replace="naming the parameter.\n        \"\"\"\n        self._check_not_taken_over()",
         tests=("tests/optim/test_optim_hostile_inputs.py::"
                "test_grads_model_zero_grad_detached_are_refused_by_the_statistics_and_step_not_read_as_zeros",),
     ),

@@ -81,10 +81,27 @@ class StatsGroups:
     def from_collection(cls, collection: ProcessGroupCollection) -> StatsGroups:
         """The groups of a resolved ``collection`` (:data:`STATS_FALLBACK` fields set at the door).
 
-        ``tp`` and ``mp`` must be set (``None`` when the axis is off), and
-        ``tp_ep_pp_with_egtp_remat``, or ``tp_ep_pp`` where expert GTP is off (the two then hold the
-        same ranks, as Megatron-Core's optimizer assumes; a collection from a Megatron-Core release
-        without the GTP fields has only ``tp_ep_pp``): ``ValueError`` naming the field otherwise.
+        Args:
+            collection: a collection with ``tp``, ``mp``, ``expt_tp``, ``gtp_remat`` and
+                ``expt_gtp_remat`` set (``None`` when the axis is off), and
+                ``tp_ep_pp_with_egtp_remat``, or ``tp_ep_pp`` where expert GTP is off (the two then
+                hold the same ranks, as Megatron-Core's optimizer assumes; a collection from a
+                Megatron-Core release without the GTP fields has only ``tp_ep_pp``).
+
+        Returns:
+            The groups the duplicate filters and the reductions read, taken once.
+
+        Raises:
+            ValueError: ``tp``, ``mp`` or the expert reduction group is not set, naming the field.
+            AttributeError: another of the fields above is not set, naming it.
+
+        Example:
+            >>> from pgregistry.collection import ProcessGroupCollection
+            >>> fields = ("tp", "mp", "expt_tp", "tp_ep_pp", "gtp_remat", "expt_gtp_remat")
+            >>> every_axis_off = ProcessGroupCollection(**dict.fromkeys(fields))
+            >>> groups = StatsGroups.from_collection(every_axis_off)
+            >>> groups.dense_reduce is None, groups.expert_reduce is None
+            (True, True)
         """
         for name in ("tp", "mp"):
             _require_stats_group(collection, name)
@@ -210,6 +227,17 @@ def is_counted(param: torch.Tensor, groups: StatsGroups) -> bool:
 
     Returns:
         ``True`` when this rank counts it.
+
+    Example:
+        >>> import torch
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> from pgregistry.params import mark_shared
+        >>> fields = ("tp", "mp", "expt_tp", "tp_ep_pp", "gtp_remat", "expt_gtp_remat")
+        >>> groups = StatsGroups.from_collection(ProcessGroupCollection(**dict.fromkeys(fields)))
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> tied_copy = mark_shared(torch.nn.Parameter(torch.zeros(2)))
+        >>> is_counted(weight, groups), is_counted(tied_copy, groups)
+        (True, False)
     """
     return param_is_not_shared(param) and all(role_verdicts(param, groups))
 

@@ -89,7 +89,15 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         return self._disjoint
 
     def language_model_collection(self) -> ProcessGroupCollection:
-        """The language model's collection; ``ValueError`` if no module is the language model."""
+        """The language model's collection; ``ValueError`` if no module is the language model.
+
+        Returns:
+            The collection of the module named ``language_model`` when the job was declared (on a
+            rank outside that module, its non-member collection).
+
+        Raises:
+            ValueError: no module was named the language model (``language_model=None``).
+        """
         if self._language_model is None:
             raise ValueError(
                 f"no module of {list(self._modules)} is named "
@@ -98,11 +106,19 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
         return self._modules[self._language_model]
 
     def here(self) -> tuple[str, ...]:
-        """The names of the modules this rank runs (whose span holds it), in declaration order."""
+        """The names of the modules this rank runs (whose span holds it), in declaration order.
+
+        Returns:
+            The names; empty on a rank that runs no module.
+        """
         return tuple(name for name, collection in self._modules.items() if collection.is_member)
 
     def layouts(self) -> dict[str, ParallelLayout]:
-        """Module name -> its layout, on every rank (a rank outside a module knows its span too)."""
+        """Module name -> its layout, on every rank (a rank outside a module knows its span too).
+
+        Returns:
+            Every module, in declaration order -> its :class:`~pgregistry.layout.ParallelLayout`.
+        """
         return {name: _layout_of(collection) for name, collection in self._modules.items()}
 
     def __getitem__(self, name: str) -> ProcessGroupCollection:

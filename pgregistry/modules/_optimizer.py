@@ -135,13 +135,40 @@ class MultiModuleOptimizer:
     # ----------------------------------------------------------------------------------- statistics
 
     def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The job-wide grad norm of all modules (0-dim float32; NaN or inf if any module's is)."""
+        """The job-wide grad norm of all modules (0-dim float32; NaN or inf if any module's is).
+
+        Collective over the world.
+
+        Args:
+            norm_type: ``p``, positive, or ``inf``; the same on every rank.
+
+        Returns:
+            The norm over every module's counted grads, the same on every rank.
+
+        Raises:
+            ValueError: on every rank alike, after the reductions every rank joins: a
+                ``norm_type`` not positive on some rank, or other values on different ranks (naming
+                the ranks); ``TypeError`` for a value that is no number. A module optimizer's
+                statistic that raised on its ranks is raised on every rank, in its type, naming
+                the module.
+        """
         return self._norm_statistics(
             norm_type, zeros=False, subject="MultiModuleOptimizer.get_grad_norm"
         )[0]
 
     def count_zeros(self) -> int:
-        """The job-wide number of zero grad elements, each counted once."""
+        """The job-wide number of zero grad elements, each counted once.
+
+        Collective over the world.
+
+        Returns:
+            The count over every module's counted grads, the same on every rank.
+
+        Raises:
+            ValueError: a module optimizer's statistic that raised on its ranks is raised on
+                every rank, in its type (``ValueError``, ``TypeError`` or ``RuntimeError``), naming
+                the module.
+        """
         counts, fault = module_values(self._optimizers, lambda _, opt: opt.count_zeros())
         subject = "MultiModuleOptimizer.count_zeros"
         _, zeros = reduce_over_modules(
@@ -151,7 +178,21 @@ class MultiModuleOptimizer:
         return zeros
 
     def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, int]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` in one all-reduce over the world."""
+        """:meth:`get_grad_norm` and :meth:`count_zeros` in one all-reduce over the world.
+
+        Args:
+            norm_type: ``p``, positive, or ``inf``; the same on every rank.
+
+        Returns:
+            ``(norm, zeros)``, as the two give them.
+
+        Raises:
+            ValueError: on every rank alike, after the reductions every rank joins: a
+                ``norm_type`` not positive on some rank, or other values on different ranks (naming
+                the ranks); ``TypeError`` for a value that is no number. A module optimizer's
+                statistic that raised on its ranks is raised on every rank, in its type, naming
+                the module.
+        """
         subject = "MultiModuleOptimizer.get_grad_norm_and_zeros"
         norm, zeros = self._norm_statistics(norm_type, zeros=True, subject=subject)
         assert zeros is not None
@@ -163,7 +204,23 @@ class MultiModuleOptimizer:
         """Clip every module's grads to the job-wide norm ``max_norm``; return the norm.
 
         Grads are scaled by ``max_norm / (norm + 1e-6)`` where that is below 1. A NaN or infinite
-        norm scales nothing, or raises ``RuntimeError`` on every rank with ``error_if_nonfinite``.
+        norm scales nothing. Collective over the world.
+
+        Args:
+            max_norm: the largest job-wide norm left unscaled, positive and finite.
+            norm_type: ``p``, positive, or ``inf``.
+            error_if_nonfinite: raise, instead of scaling nothing, on a NaN or infinite norm.
+
+        Returns:
+            The job-wide norm before clipping.
+
+        Raises:
+            RuntimeError: on every rank, a NaN or infinite norm with ``error_if_nonfinite``.
+            ValueError: on every rank alike, after the reductions every rank joins: a
+                ``max_norm`` or ``norm_type`` out of range on some rank, or other values on
+                different ranks (naming the ranks); ``TypeError`` for a value that is no number. A
+                module optimizer's statistic that raised on its ranks is raised on every rank, in
+                its type, naming the module.
         """
         total, _ = self._norm_statistics(
             norm_type, zeros=False, max_norm=max_norm, subject="MultiModuleOptimizer.clip_grad_norm"
@@ -183,15 +240,27 @@ class MultiModuleOptimizer:
     ) -> tuple[bool, float, int | None]:
         """Clip by the job-wide norm (given ``max_norm``), step every module, or skip on all ranks.
 
-        Returns ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does:
-        ``stepped`` is false on every rank when the job-wide norm is NaN or infinite (nothing is
-        scaled or stepped, grads are left as they are); ``num_zeros`` is the job-wide zero count
-        with ``count_zeros``, else ``None``. One all-reduce over the world after the modules' own
-        reductions; it also carries the agreement on ``max_norm`` and ``norm_type``: when a rank was
-        given other values than its peers, or bad ones (``TypeError`` for no number, such as
-        ``'1.0'``; ``ValueError`` for a ``max_norm`` not positive and finite, a ``norm_type`` not
-        positive), every rank raises, after the reductions every rank joins, quoting the values and
-        the ranks given them; nothing is scaled or stepped.
+        One all-reduce over the world after the modules' own reductions; it also carries the
+        agreement on ``max_norm`` and ``norm_type``.
+
+        Args:
+            max_norm: clip to this job-wide norm (positive and finite); ``None``: no clipping.
+            norm_type: ``p`` of the norm, positive, or ``inf``.
+            count_zeros: also count the zero grad elements, in the same all-reduce.
+
+        Returns:
+            ``(stepped, grad_norm, num_zeros)`` as Megatron-Core's ``MimoOptimizer.step`` does:
+            ``stepped`` is false on every rank when the job-wide norm is NaN or infinite (nothing
+            is scaled or stepped, grads are left as they are); ``num_zeros`` is the job-wide zero
+            count with ``count_zeros``, else ``None``.
+
+        Raises:
+            ValueError: when a rank was given other values than its peers, or a ``max_norm`` not
+                positive and finite, a ``norm_type`` not positive: every rank raises, after the
+                reductions every rank joins, quoting the values and the ranks given them; nothing
+                is scaled or stepped. A module optimizer's statistic that raised is raised on every
+                rank likewise, in its type.
+            TypeError: likewise, for a value that is no number, such as ``'1.0'``.
         """
         total, zeros = self._norm_statistics(
             norm_type, zeros=count_zeros, max_norm=max_norm, subject="MultiModuleOptimizer.step"
@@ -213,18 +282,29 @@ class MultiModuleOptimizer:
     # ---------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        """Module name -> its optimizer's state dict, for the modules this rank runs."""
+        """Module name -> its optimizer's state dict, for the modules this rank runs.
+
+        Returns:
+            Each of :meth:`MultiModuleCollection.here`'s modules -> its
+            :meth:`~pgregistry.optim.ChainedOptimizer.state_dict`.
+        """
         return {name: optimizer.state_dict() for name, optimizer in self._optimizers.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output: each module's optimizer from the entry under its name.
 
-        Collective over the world: ``ValueError`` on every rank, before anything loads, when a
-        rank's state lacks a module it runs or holds one it does not run (another rank's state), or
-        a module's state does not fit its optimizer
-        (:meth:`~pgregistry.optim.ChainedOptimizer.state_dict_faults`: missing, extra, another shape
-        or dtype), naming the rank and the module; a refused load leaves every optimizer as it
-        was."""
+        Collective over the world; a refused load leaves every optimizer as it was.
+
+        Args:
+            state_dict: this rank's :meth:`state_dict` output.
+
+        Raises:
+            ValueError: on every rank, before anything loads, when a rank's state lacks a module it
+                runs or holds one it does not run (another rank's state), or a module's state does
+                not fit its optimizer
+                (:meth:`~pgregistry.optim.ChainedOptimizer.state_dict_faults`: missing, extra,
+                another shape or dtype), naming the rank and the module.
+        """
         subject = "MultiModuleOptimizer.load_state_dict"
         _, error = check_models(state_dict, self._modules, subject, self._check_state, noun="state")
         check_agreement(subject, describe_modules(self._modules), error, advice=MODULES_ADVICE)

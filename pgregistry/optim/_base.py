@@ -64,6 +64,7 @@ from pgregistry.grad_stats._reductions import (
 )
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
 from pgregistry.optim._grad_buffer import GradBuffer, Span, span_shares
+from pgregistry.optim._grad_statistics import GradStatistics
 from pgregistry.optim._param_state import ParamState
 from pgregistry.optim._setup import OptimizerProcessGroups
 from pgregistry.optim._state_check import param_state_key_faults, refuse_agreed
@@ -98,11 +99,12 @@ ParamNameFn: TypeAlias = Callable[[torch.Tensor], str]
 """Names a model parameter (state-dict keys, error messages), e.g. a global, expert-aware name."""
 
 
-class OptimizerStatistics(abc.ABC):
+class OptimizerStatistics(GradStatistics):
     """The grad statistics and clipping of an optimizer, under Megatron-Core's method names.
 
     The local shares of the flat optimizers it steps (itself, or a chained optimizer's children) go
-    in one set of shares, reduced once."""
+    in one set of shares, reduced once. The norm and the zero count are :class:`GradStatistics`'
+    over the model the optimizer covers."""
 
     @abc.abstractmethod
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
@@ -112,28 +114,9 @@ class OptimizerStatistics(abc.ABC):
         """The grad statistics of the model the optimizer covers, through the one reducer."""
         return statistics_of(self.stats_optimizers(), wanted)
 
-    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global grad norm of the model the optimizer covers (0-dim).
-
-        Float64 for a float64 grad buffer, else float32; NaN or infinite when any grad is,
-        duplicates included. Exact where ``sum |g|^p`` leaves the float range; no host sync for the
-        1-, 2- and inf-norm, one host read of the norm for another ``p``
-        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
-        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
-
-    def count_zeros(self) -> torch.Tensor:
-        """The global number of zero grad elements, each distinct one counted once (0-dim int64)."""
-        zeros = self.statistics(Wanted.zeros_only()).zeros
-        assert zeros is not None
-        return zeros
-
-    def get_grad_norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`get_grad_norm` and :meth:`count_zeros` together, the 2-norm.
-
-        One read of the grads on CUDA; one all-reduce per group."""
-        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
-        assert reduced.zeros is not None
-        return reduced.norm, reduced.zeros
+    get_grad_norm = GradStatistics._grad_norm
+    count_zeros = GradStatistics._count_zeros
+    get_grad_norm_and_zeros = GradStatistics._norm_and_zeros
 
     def clip_grad_norm(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
@@ -272,7 +255,14 @@ class FlatOptimizer(OptimizerStatistics):
     # --------------------------------------------------------------------------------------- naming
 
     def param_name(self, param: torch.Tensor) -> str:
-        """The caller's name for ``param`` (``param_name_fn``), else its position."""
+        """The caller's name for ``param`` (``param_name_fn``), else its position.
+
+        Args:
+            param: one of the optimizer's parameters.
+
+        Returns:
+            What ``param_name_fn`` gives, else ``"param[i]"``, ``i`` its position in ``params``.
+        """
         return self._name_fn(param)
 
     @property
@@ -449,26 +439,44 @@ class FlatOptimizer(OptimizerStatistics):
         self._reduce_keys = tuple(keys)
 
     def stats_reduce_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The groups this optimizer's statistics reduce over."""
+        """The groups this optimizer's statistics reduce over.
+
+        Returns:
+            Each group once, the statistics group first, in the order the reduction visits them.
+        """
         return self._reduce_keys
 
     def local_shares(self, shares: Shares) -> None:
         """Add this optimizer's groups and its spans' parts to ``shares``.
 
-        Every group is added, even one with nothing counted here. Refused once a later optimizer
-        took a parameter's grad, or grads left the buffer (its spans would read zeros, or stale
-        grads)."""
+        Every group is added, even one with nothing counted here.
+
+        Args:
+            shares: the shares one reduction fills (a chained optimizer's children share one).
+
+        Raises:
+            RuntimeError: a later optimizer took a parameter's grad, or grads left the buffer (its
+                spans would read zeros, or stale grads), naming the parameter.
+        """
         self._check_attached(first_only=True)
         for key in self._reduce_keys:
             shares.add(key)
         span_shares(self.buffer.data, self._stat_spans, shares)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
-        """The grads :meth:`step` reads (whole buffer or this rank's shard), duplicates included."""
+        """The grads :meth:`step` reads (whole buffer or this rank's shard), duplicates included.
+
+        Returns:
+            The tensors clipping scales: here the whole grad buffer, one tensor.
+        """
         return [self.buffer.data]
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
-        """This optimizer alone."""
+        """This optimizer alone.
+
+        Returns:
+            ``[self]``.
+        """
         return [self]
 
     # ---------------------------------------------------------------------------------------- steps
@@ -498,15 +506,25 @@ class FlatOptimizer(OptimizerStatistics):
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state (inner state and main copies), keyed by parameter name."""
+        """The optimizer state (inner state and main copies), keyed by parameter name.
+
+        Returns:
+            What :meth:`load_state_dict` takes back on an optimizer of the same layout and names.
+        """
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same layout, same names).
 
-        Strict: a state dict with any :meth:`state_dict_faults` is refused (``ValueError``, the
-        count and a few of them) before anything changes. The check is local; the ranks of
-        :meth:`load_groups` agree on it first (:mod:`pgregistry.optim._state_check`), so every rank
-        of the instance refuses alike or none does."""
+        Strict: the ranks of :meth:`load_groups` agree on the :meth:`state_dict_faults` first
+        (:mod:`pgregistry.optim._state_check`), so every rank of the instance refuses alike or none
+        does, and a refused load changes nothing. Collective over :meth:`load_groups`.
+
+        Args:
+            state_dict: what :meth:`state_dict` returned on an optimizer of the same layout.
+
+        Raises:
+            ValueError: some rank of the instance found faults: the count and a few of them.
+        """
         refuse_agreed(
             f"{type(self).__name__}.load_state_dict",
             self.state_dict_faults(state_dict),
@@ -520,14 +538,25 @@ class FlatOptimizer(OptimizerStatistics):
 
         One small all-reduce over each: together they hold every rank of this optimizer's instance,
         replicas included, so a state refused on one rank is refused on all of them, never loaded by
-        its replicas alone."""
+        its replicas alone.
+
+        Returns:
+            The groups, each once (``None``: an axis that is off).
+        """
 
     @abc.abstractmethod
     def state_dict_faults(self, state_dict: Any) -> list[str]:
         """Every reason :meth:`load_state_dict` would refuse ``state_dict`` (empty: it loads).
 
-        Missing or extra entries, saved tensors of another shape or dtype. Local; changes
-        nothing."""
+        Local (no collective); changes nothing.
+
+        Args:
+            state_dict: a candidate for :meth:`load_state_dict`, of any type.
+
+        Returns:
+            One line per fault: missing or extra entries, saved tensors of another shape or dtype;
+            empty when it loads.
+        """
 
     @abc.abstractmethod
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -538,14 +567,26 @@ class FlatOptimizer(OptimizerStatistics):
         """Model parameter -> its whole optimizer state.
 
         See :class:`~pgregistry.optim.ParamStateOptimizer`.
+
+        Returns:
+            Each model parameter -> its state (its main copy where there is one, and the update
+            rule's state), whole even where the optimizer shards it.
         """
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Restore :meth:`param_state` output of any layout.
 
         Saved under any layout: see :class:`~pgregistry.optim.ParamStateOptimizer`. Strict as
-        :meth:`load_state_dict`: state with any :meth:`param_state_faults` is refused
-        (``ValueError``) on every rank of :meth:`load_groups` before any rank changes anything."""
+        :meth:`load_state_dict`, and collective over :meth:`load_groups` as it is.
+
+        Args:
+            state: model parameter -> its state, as :meth:`param_state` gives it.
+
+        Raises:
+            ValueError: some rank of the instance found :meth:`param_state_faults` (or ``state``
+                is no mapping keyed by parameters), on every rank of :meth:`load_groups` before
+                any rank changes anything.
+        """
         refuse_agreed(
             f"{type(self).__name__}.load_param_state",
             param_state_key_faults(state) or self.param_state_faults(state),
@@ -557,8 +598,15 @@ class FlatOptimizer(OptimizerStatistics):
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
         """Every reason :meth:`load_param_state` would refuse ``state``, or load it wrong.
 
-        A main copy or elementwise state of another shape than its tensor's, state a flat step
-        cannot hold. Local; changes nothing."""
+        Local (no collective); changes nothing.
+
+        Args:
+            state: a candidate for :meth:`load_param_state`.
+
+        Returns:
+            One line per fault: a main copy or elementwise state of another shape than its
+            tensor's, state a flat step cannot hold; empty when it loads.
+        """
 
     @abc.abstractmethod
     def _load_checked_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:

@@ -80,7 +80,11 @@ class ChainedOptimizer(OptimizerStatistics):
         """The children, in order (Megatron-Core's attribute name)."""
 
     def stats_reduce_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The distinct groups the children's statistics reduce over."""
+        """The distinct groups the children's statistics reduce over.
+
+        Returns:
+            Each group once, in the order of the children and of their own groups.
+        """
         groups: list[ProcessGroup | None] = []
         for child in self.chained_optimizers:
             groups.extend(
@@ -89,7 +93,11 @@ class ChainedOptimizer(OptimizerStatistics):
         return tuple(groups)
 
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
-        """The children: the statistics read, and clipping scales, the grads of every one."""
+        """The children: the statistics read, and clipping scales, the grads of every one.
+
+        Returns:
+            :attr:`chained_optimizers` itself.
+        """
         return self.chained_optimizers
 
     @property
@@ -113,14 +121,26 @@ class ChainedOptimizer(OptimizerStatistics):
             child.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"children": [child state dicts]}``."""
+        """``{"children": [child state dicts]}``.
+
+        Returns:
+            Each child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict`, in child order.
+        """
         return {"children": [child.state_dict() for child in self.chained_optimizers]}
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
         """Every reason :meth:`load_state_dict` would refuse ``state_dict``, by child.
 
-        Every child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict_faults`, each prefixed with
-        the child's index, or a count of children that differs. Local; changes nothing."""
+        Local (no collective); changes nothing.
+
+        Args:
+            state_dict: a candidate for :meth:`load_state_dict`, of any type.
+
+        Returns:
+            Every child's :meth:`~pgregistry.optim.FlatOptimizer.state_dict_faults`, each prefixed
+            with the child's index; or one fault for no ``{"children": [...]}`` dict, or a count
+            of children that differs; empty when it loads.
+        """
         children = state_dict.get("children") if isinstance(state_dict, Mapping) else None
         if not isinstance(children, Sequence):
             return ["it is no {'children': [...]} dict (ChainedOptimizer.state_dict output)"]
@@ -144,7 +164,16 @@ class ChainedOptimizer(OptimizerStatistics):
         leaves every child as it was (a later child's refusal used to leave the first ones loaded).
         The check is local; where a child's load is collective (a sharded child's all-gather) the
         ranks agree on it first over the children's
-        :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, so every rank refuses alike."""
+        :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, so every rank refuses alike.
+
+        Args:
+            state_dict: what :meth:`state_dict` returned on a chained optimizer of the same
+                children.
+
+        Raises:
+            ValueError: some rank found faults in some child's state: the count and a few of them,
+                each naming its child.
+        """
         refuse_agreed(
             "ChainedOptimizer.load_state_dict",
             self.state_dict_faults(state_dict),
@@ -154,7 +183,11 @@ class ChainedOptimizer(OptimizerStatistics):
             child._load_checked_state_dict(child_state)
 
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, each group once."""
+        """Every child's :meth:`~pgregistry.optim.FlatOptimizer.load_groups`, each group once.
+
+        Returns:
+            The groups, in the order of the children.
+        """
         groups: list[ProcessGroup | None] = []
         for child in self.chained_optimizers:
             groups.extend(g for g in child.load_groups() if not any(g is seen for seen in groups))
@@ -164,6 +197,10 @@ class ChainedOptimizer(OptimizerStatistics):
         """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state`.
 
         Collective where a child's is.
+
+        Returns:
+            One mapping: every child's parameters -> their state (the children hold distinct
+            parameters).
         """
         merged: dict[torch.Tensor, ParamState] = {}
         for child in self.chained_optimizers:
@@ -173,7 +210,13 @@ class ChainedOptimizer(OptimizerStatistics):
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
         """Every child's :meth:`~pgregistry.optim.FlatOptimizer.param_state_faults`.
 
-        Each fault is prefixed with its child's index.
+        Local (no collective); changes nothing.
+
+        Args:
+            state: a candidate for :meth:`load_param_state`.
+
+        Returns:
+            The children's faults, each prefixed with its child's index; empty when it loads.
         """
         return [
             f"child {index}: {fault}"
@@ -185,7 +228,15 @@ class ChainedOptimizer(OptimizerStatistics):
         """Each child restores the state of its own parameters from ``state``.
 
         Strict as :meth:`load_state_dict`: every child is checked, and the ranks of
-        :meth:`load_groups` agree, before any child loads."""
+        :meth:`load_groups` agree, before any child loads.
+
+        Args:
+            state: model parameter -> its state, as :meth:`param_state` gives it (of any layout).
+
+        Raises:
+            ValueError: some rank found faults in some child's part (or ``state`` is no mapping
+                keyed by parameters), on every rank alike; no child has loaded then.
+        """
         refuse_agreed(
             "ChainedOptimizer.load_param_state",
             param_state_key_faults(state) or self.param_state_faults(state),

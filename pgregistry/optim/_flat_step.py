@@ -232,7 +232,12 @@ class FlatStep:
         """The state dict, numbered like a torch step over the main params.
 
         ``{"state": {index: {key: value}}, "param_groups": [...]}``: elementwise state is a view
-        shaped like its parameter, per-parameter state (``step``) shared."""
+        shaped like its parameter, per-parameter state (``step``) shared.
+
+        Returns:
+            What a torch optimizer of the same rule over the main params would return, so either
+            loads the other's.
+        """
         inner = self.optimizer.state_dict()
         flat_state = inner["state"].get(0)
         state = {}
@@ -259,9 +264,18 @@ class FlatStep:
     def state_dict_faults(self, state_dict: Mapping[str, Any]) -> list[str]:
         """What keeps :meth:`load_state_dict` from holding ``state_dict`` (empty: it loads).
 
-        Found without copying anything: one param group of the main params; the same state keys for
-        every parameter (or none for all); one value of each per-parameter key; elementwise state
-        with each parameter's number of elements."""
+        Found without copying anything. Local; changes nothing.
+
+        Args:
+            state_dict: a candidate for :meth:`load_state_dict`.
+
+        Returns:
+            One line per fault: not one param group of the main params; state keys that differ
+            between parameters (none for all is fine); several values of a per-parameter key;
+            elementwise state without its parameter's number of elements; a hyperparameter of the
+            rule missing from the param group (saved by another rule) or out of its range. Empty
+            when it loads.
+        """
         groups = state_dict["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self._slots):
             sizes = [len(group["params"]) for group in groups]
@@ -334,8 +348,15 @@ class FlatStep:
         """Restore :meth:`state_dict` output, or a per-tensor optimizer's of the same main params.
 
         The elementwise state of each parameter is copied into one flat tensor per key, the padding
-        zero. A state dict with :meth:`state_dict_faults` is refused (``ValueError``) before
-        anything changes. Local: no collective."""
+        zero. Local: no collective.
+
+        Args:
+            state_dict: :meth:`state_dict` output, or a torch optimizer's over the same main
+                params.
+
+        Raises:
+            ValueError: the :meth:`state_dict_faults`, before anything changes.
+        """
         refuse_faults("FlatStep.load_state_dict", self.state_dict_faults(state_dict))
         groups = state_dict["param_groups"]
         per_param = [state_dict["state"].get(pid) or {} for pid in groups[0]["params"]]

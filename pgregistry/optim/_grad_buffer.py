@@ -82,6 +82,7 @@ from pgregistry.grad_stats._reductions import (
     reduce_shares,
     squares_by_range,
 )
+from pgregistry.optim._grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -169,7 +170,7 @@ def _round_up_to_multiple(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-class GradBuffer:
+class GradBuffer(GradStatistics):
     """One contiguous grad tensor for ``params``, with one span per statistics class.
 
     ``params`` are the tensors whose role attributes classify them (for a mixed-precision optimizer,
@@ -260,27 +261,9 @@ class GradBuffer:
         self.local_shares(shares)
         return shares
 
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of the counted grads, reduced over each span's group.
-
-        0-dim, float64 for a float64 buffer, else float32; a host read for a ``p`` other than 1, 2
-        and inf only (:meth:`statistics`). NaN or infinite when any grad is, uncounted ones too."""
-        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
-
-    def count_zeros(self) -> torch.Tensor:
-        """How many zeros the counted grads hold, reduced over each span's group (0-dim int64)."""
-        zeros = self.statistics(Wanted.zeros_only()).zeros
-        assert zeros is not None
-        return zeros
-
-    def norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`grad_norm` and :meth:`count_zeros` together.
-
-        The buffer is read once where the kernel runs.
-        """
-        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
-        assert reduced.zeros is not None
-        return reduced.norm, reduced.zeros
+    grad_norm = GradStatistics._grad_norm
+    count_zeros = GradStatistics._count_zeros
+    norm_and_zeros = GradStatistics._norm_and_zeros
 
 
 def span_shares(

@@ -66,6 +66,20 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         bucket_numel: grads are all-reduced in buckets of at most this many elements (default: one
             bucket).
         param_name_fn: names parameters in state dicts and errors.
+
+    Raises:
+        ValueError: what :class:`~pgregistry.optim.FlatOptimizer` refuses; a ``main_dtype`` that
+            does not hold a parameter's dtype; ``main_dtype=None`` over parameters of several
+            dtypes; a ``bucket_numel`` that is not positive.
+        TypeError: what :class:`~pgregistry.optim.FlatOptimizer` refuses; a ``main_dtype`` that is
+            no floating dtype; a ``bucket_numel`` that is no whole number.
+
+    Example::
+
+        groups = setup_process_groups_for_optimizer(collection)
+        optimizer = MixedPrecisionOptimizer(
+            model.parameters(), groups, inner=inner_factory("adamw", lr=1e-4)
+        )
     """
 
     def __init__(
@@ -171,6 +185,10 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         """``{"inner": inner state dict or None, "main_params": {name: main copy}}``.
 
         References, not copies.
+
+        Returns:
+            The inner update rule's state dict (``None`` where this rank steps nothing) and each
+            lower-precision parameter's main copy under :meth:`param_name`.
         """
         return {
             "inner": self.inner.state_dict() if self.inner is not None else None,
@@ -182,8 +200,16 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     def state_dict_faults(self, state_dict: Any) -> list[str]:
         """Every reason :meth:`load_state_dict` would refuse ``state_dict``.
 
-        Main copies missing, extra or of another shape or dtype, and the inner state's faults
-        (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local."""
+        Local (no collective); changes nothing.
+
+        Args:
+            state_dict: a candidate for :meth:`load_state_dict`, of any type.
+
+        Returns:
+            One line per fault: main copies missing, extra or of another shape or dtype, and the
+            inner state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`);
+            empty when it loads.
+        """
         if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
             return [
                 "it is no {'inner': ..., 'main_params': ...} "
@@ -225,7 +251,11 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         self._copy_main_to_model()
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:
-        """Model parameter -> its inner state, plus its main copy (``main_param``) if it has one."""
+        """Model parameter -> its inner state, plus its main copy (``main_param``) if it has one.
+
+        Returns:
+            Every parameter -> a new dict of its state (references to the tensors, not copies).
+        """
         inner = self.inner.state if self.inner is not None else {}
         out: dict[torch.Tensor, ParamState] = {}
         for param, main in zip(self.params, self.main_params, strict=True):
@@ -236,7 +266,11 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         return out
 
     def load_groups(self) -> tuple[ProcessGroup | None, ...]:
-        """The replicas (:attr:`grad_sync_group`) and stats groups: every rank of the instance."""
+        """The replicas (:attr:`grad_sync_group`) and stats groups: every rank of the instance.
+
+        Returns:
+            The groups, each once, the replicas' group first.
+        """
         groups: list[ProcessGroup | None] = []
         for group in (self.grad_sync_group, *self.stats_reduce_groups()):
             if not any(group is seen for seen in groups):
@@ -246,8 +280,16 @@ class MixedPrecisionOptimizer(FlatOptimizer):
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
         """Every reason :meth:`load_param_state` would refuse ``state``.
 
-        Saved main copies of another shape than their parameter's (or no tensor), and the inner
-        state's faults (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local."""
+        Local (no collective); changes nothing.
+
+        Args:
+            state: a candidate for :meth:`~pgregistry.optim.FlatOptimizer.load_param_state`.
+
+        Returns:
+            One line per fault: saved main copies of another shape than their parameter's (or no
+            tensor), and the inner state's faults
+            (:func:`~pgregistry.optim._state_check.inner_param_state_faults`); empty when it loads.
+        """
         faults = [
             fault
             for param, main in self._params_and_main_copies()

@@ -56,7 +56,12 @@ class ParamStateOptimizer(Protocol):
     def param_state(self) -> dict[torch.Tensor, ParamState]:
         """Model parameter -> its whole state (empty before the first step), for each it updates.
 
-        Collective for a sharded optimizer: every rank of its groups must call it."""
+        Collective for a sharded optimizer: every rank of its groups must call it.
+
+        Returns:
+            Each parameter -> its state by key (``exp_avg``, ``step``, ``main_param``...), whole
+            and shaped like the parameter whatever the optimizer shards.
+        """
         ...
 
     def load_param_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
@@ -64,7 +69,16 @@ class ParamStateOptimizer(Protocol):
 
         A parameter without an entry gets an empty state. Call it after the model parameters are
         loaded: a main copy without a saved ``main_param`` is taken from its parameter. Collective
-        for a sharded optimizer."""
+        for a sharded optimizer.
+
+        Args:
+            state: parameter -> its state, from :meth:`param_state` of any optimizer over the same
+                parameters (another layout, sharding or instance count too).
+
+        Raises:
+            ValueError: pgregistry's optimizers: state they cannot load (a tensor of another shape,
+                a state a flat step cannot hold), on every rank alike, before anything changes.
+        """
         ...
 
 

@@ -185,7 +185,11 @@ class ShardedOptimizer(FlatOptimizer):
         return sorted(pieces, key=lambda piece: piece.start)
 
     def grads_to_clip(self) -> list[torch.Tensor]:
-        """This rank's shard of the grad buffer, the grads :meth:`step` reads."""
+        """This rank's shard of the grad buffer, the grads :meth:`step` reads.
+
+        Returns:
+            One tensor: the shard's view of the grad buffer.
+        """
         start, stop = self.shard
         return [self.buffer.data[start:stop]]
 
@@ -229,6 +233,10 @@ class ShardedOptimizer(FlatOptimizer):
 
         ``name`` is ``param_name_fn(param)``; ``offset`` and ``numel`` locate the piece in the
         flattened parameter. Tensors are references, not copies.
+
+        Returns:
+            The inner update rule's param groups, and each piece of a parameter this rank's shard
+            holds: where it lies, its main copy and its elementwise state.
         """
         inner = (
             self.inner.state_dict() if self.inner is not None else {"state": {}, "param_groups": []}
@@ -248,15 +256,26 @@ class ShardedOptimizer(FlatOptimizer):
         """The whole instance (``intra_dist_opt``, the group of the statistics).
 
         Every rank of it refuses a load when one does (one small all-reduce), instead of leaving the
-        others waiting in the load's all-gather."""
+        others waiting in the load's all-gather.
+
+        Returns:
+            One group: the statistics group, which holds every rank of the instance.
+        """
         return self.stats_reduce_groups()[:1]
 
     def state_dict_faults(self, state_dict: Any) -> list[str]:
         """Every reason :meth:`load_state_dict` would refuse ``state_dict`` on this rank.
 
-        This rank's pieces missing, extra, cut elsewhere or of another shape or dtype, and the inner
-        state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`). Local:
-        :meth:`load_state_dict` agrees on them over :meth:`load_groups`."""
+        Local: :meth:`load_state_dict` agrees on them over :meth:`load_groups`.
+
+        Args:
+            state_dict: a candidate for :meth:`load_state_dict` on this rank, of any type.
+
+        Returns:
+            One line per fault: this rank's pieces missing, extra, cut elsewhere or of another
+            shape or dtype, and the inner state's faults
+            (:func:`~pgregistry.optim._state_check.inner_state_faults`); empty when it loads.
+        """
         if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
             return [
                 "it is no {'shards': ..., 'param_groups': ...} "
@@ -328,7 +347,14 @@ class ShardedOptimizer(FlatOptimizer):
         all-reduce per elementwise state key and one for the main copies. Elementwise state (Adam's
         moments) comes back shaped like the parameter; other values (Adam's ``step``) are those of
         any piece. ``main_param`` is present when the main copies' dtype differs from the
-        parameters'."""
+        parameters'.
+
+        Returns:
+            Every parameter of the optimizer -> its whole state, on every rank of the shard group.
+
+        Raises:
+            ValueError: an elementwise state key held in several dtypes across the pieces.
+        """
         inner = self.inner.state if self.inner is not None else {}
         index = {id(param): i for i, param in enumerate(self.params)}
         described: dict[
@@ -396,10 +422,16 @@ class ShardedOptimizer(FlatOptimizer):
     def param_state_faults(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> list[str]:
         """Every reason :meth:`load_param_state` would refuse ``state`` on this rank.
 
-        Saved main copies of another shape than their parameter's (or no tensor), and the faults of
-        the inner state cut for this rank's pieces
-        (:func:`~pgregistry.optim._state_check.inner_param_state_faults`). Local:
-        :meth:`load_param_state` agrees on them over :meth:`load_groups`."""
+        Local: :meth:`load_param_state` agrees on them over :meth:`load_groups`.
+
+        Args:
+            state: a candidate for :meth:`~pgregistry.optim.FlatOptimizer.load_param_state`.
+
+        Returns:
+            One line per fault: saved main copies of another shape than their parameter's (or no
+            tensor), and the faults of the inner state cut for this rank's pieces
+            (:func:`~pgregistry.optim._state_check.inner_param_state_faults`); empty when it loads.
+        """
         faults = [
             fault
             for piece in self._pieces

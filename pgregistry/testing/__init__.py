@@ -76,9 +76,21 @@ class RankFailure(RuntimeError):
 
     The original exception is chained as ``__cause__`` when it could be rebuilt here.
 
+    Args:
+        rank: the rank that failed.
+        detail: the child's formatted traceback, or how it died; the message is
+            ``"rank {rank} failed: {detail}"``.
+
     Attributes:
         rank: the rank that failed.
         detail: the child's formatted traceback, or how it died.
+
+    Example::
+
+        try:
+            run_world(2, os._exit, 3)
+        except RankFailure as failure:
+            failure.rank, failure.detail  # 0, 'process exited without a result (exit code 3)'
     """
 
     def __init__(self, rank: int, detail: str) -> None:
@@ -90,10 +102,23 @@ class RankFailure(RuntimeError):
 class WorldTimeout(TimeoutError):
     """The world did not finish before the deadline; every rank was killed.
 
+    Args:
+        message: the deadline, the stuck ranks and where each was.
+        stuck_ranks: kept as the attribute of that name.
+        stacks: kept as the attribute of that name.
+
     Attributes:
         stuck_ranks: the ranks that had not finished.
         stacks: each of them -> its Python stack at the deadline (``faulthandler`` format, every
             thread), or why none could be taken.
+
+    Example::
+
+        try:
+            run_world(2, time.sleep, 100, timeout=1)
+        except WorldTimeout as timeout:
+            timeout.stuck_ranks  # [0, 1]
+            print(timeout.stacks[0])  # rank 0's Python stack at the deadline, every thread
     """
 
     def __init__(self, message: str, stuck_ranks: list[int], stacks: dict[int, str]) -> None:
@@ -208,7 +233,20 @@ def run_world(
 def check_deadline(timeout: object) -> None:
     """``ValueError`` unless ``timeout`` is a positive, finite number of seconds (no bool).
 
-    0 timed every world out, blaming its ranks; -1 failed inside gloo, inf inside ``time``."""
+    0 timed every world out, blaming its ranks; -1 failed inside gloo, inf inside ``time``.
+
+    Args:
+        timeout: the deadline a caller gave :func:`run_world`.
+
+    Raises:
+        ValueError: ``timeout`` is no int or float, a bool, or not in (0, inf); naming it.
+
+    Example:
+        >>> check_deadline(30)
+        >>> check_deadline(float("inf"))
+        Traceback (most recent call last):
+        ValueError: timeout must be a positive, finite number of seconds, got inf
+    """
     if (
         not isinstance(timeout, int | float)
         or isinstance(timeout, bool)

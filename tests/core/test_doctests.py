@@ -3,8 +3,11 @@
 A docstring example is documentation a reader copies: one that went stale would teach a wrong rank
 set. Each module listed here must hold at least one example, so a module whose examples were all
 dropped fails too. The examples of these modules are plain arithmetic (``pgregistry.rng`` imports
-torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are
-plain records); the examples that need a world are code blocks (``Example::``), not doctests.
+torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are plain
+records; ``pgregistry.params`` marks a tensor made in the example), checks of a caller's argument
+(``pgregistry.mesh``, ``pgregistry.testing``), or lookups on a one-layer model and collections
+assembled by hand (``pgregistry.attachments``, the grad statistics' groups); the examples that need
+a world are code blocks (``Example::``), not doctests.
 """
 
 from __future__ import annotations
@@ -16,12 +19,17 @@ import io
 import pytest
 
 MODULES_WITH_EXAMPLES = (
+    "pgregistry.attachments",
     "pgregistry.audit",
     "pgregistry.collection",
     "pgregistry.experts._keys",
+    "pgregistry.grad_stats._filters",
     "pgregistry.layout",
+    "pgregistry.mesh",
+    "pgregistry.params",
     "pgregistry.placement",
     "pgregistry.rng",
+    "pgregistry.testing",
 )
 
 
