@@ -101,6 +101,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        name="migrate-leaves-a-lengthened-argument-line",
+        bug="a read rewritten on a call's one line of arguments makes it longer than the tree's line length: "
+        "megatron-core's LLaVAModel got a 104-column line, where black gives each argument its own line",
+        file="pgregistry/migrate/_rewrite.py",
+        find="        return split_lengthened_argument_line(updated, original, indent, self.width, self.unit)",
+        replace="        return updated",
+        tests=("tests/migrate/test_migrate_layout.py::"
+               "test_a_line_of_arguments_a_rewritten_read_made_too_long_gets_one_argument_a_line_as_black_splits_it",),
+    ),
+    Mutant(
         name="negative-norm-clip-coefficient",
         bug="a negative total_norm on a device (not read back) clips by a negative coefficient: every grad flipped",
         file="pgregistry/grad_stats/_reductions.py",
@@ -1189,12 +1199,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="migrate-argument-left-too-long",
         bug="migrate leaves an argument it made too long in a call of one argument a line over the line length",
         file="pgregistry/migrate/_rewrite.py",
-        find=(
-            'if (\n'
-            '            self.changed and updated.args\n'
-            '        ):  # an argument on a line of its own that a rewrite made too long'
-        ),
-        replace='if False:  # an argument on a line of its own that a rewrite made too long',
+        find="        updated = split_arguments(updated, original, indent, self.width, self.unit)\n",
+        replace="",
         tests=(
             "tests/migrate/test_migrate_layout.py::test_a_conditional_argument_made_too_long_in_a_call_of_one_"
             "argument_a_line_is_split_as_black_splits_it",

@@ -44,6 +44,7 @@ __all__ = [
     "split_condition",
     "split_header",
     "split_key",
+    "split_lengthened_argument_line",
     "split_statement",
 ]
 
@@ -626,12 +627,38 @@ def split_argument_line(
     line of its own after its one line of arguments (:func:`_argument_line`). Its arguments go one a
     line with a trailing comma, as black lays them out, where that line, with the comma added, no
     longer fits and fitted as the author wrote it (``original``); else ``call``."""
+    return _one_argument_a_line(call, before, original, ",", indent, width, unit)
+
+
+def split_lengthened_argument_line(
+    call: cst.Call, original: cst.Call, indent: int, width: int, unit: str
+) -> cst.Call:
+    """``call`` with one argument a line where the rewrite made its one line of arguments too long.
+
+    As :func:`split_argument_line`, for an argument the rewrite changed on that line (a read made
+    ``pg_group(getattr(self, "pg_collection", None), "cp")``): black gives each argument its own
+    line once they no longer fit on one. A line the author wrote too long is left."""
+    return _one_argument_a_line(call, call, original, "", indent, width, unit)
+
+
+def _one_argument_a_line(
+    call: cst.Call,
+    before: cst.Call,
+    original: cst.Call,
+    tail: str,
+    indent: int,
+    width: int,
+    unit: str,
+) -> cst.Call:
+    """``call``'s arguments one a line where ``before``'s argument line plus ``tail`` is too long.
+
+    Only where the author's (``original``'s) argument line fitted; else ``call``."""
     laid_out, authors = _argument_line(before), _argument_line(original)
     if laid_out is None or authors is None or not call.args:
         return call
     opening, text, closing = laid_out
     column = indent + len(opening.expandtabs(4))
-    if _fits_width(column, text + ",", width) or not _fits_width(column, authors[1], width):
+    if _fits_width(column, text + tail, width) or not _fits_width(column, authors[1], width):
         return call
     lines = [
         line

@@ -32,6 +32,7 @@ from pgregistry.migrate._layout import (
     split_condition,
     split_header,
     split_key,
+    split_lengthened_argument_line,
     split_statement,
 )
 from pgregistry.migrate._plan import FilePlan, Way, bound_name, import_module_text
@@ -502,11 +503,12 @@ class _Rewriter(cst.CSTTransformer):
             updated = split_argument_line(
                 added, updated, original, self._indent_columns(), self.width, self.unit
             )
-        if (
-            self.changed and updated.args
-        ):  # an argument on a line of its own that a rewrite made too long
-            return split_arguments(updated, original, self._indent_columns(), self.width, self.unit)
-        return updated
+        if not (self.changed and updated.args):
+            return updated
+        indent = self._indent_columns()
+        # an argument on a line of its own, or the one line of arguments, a rewrite made too long
+        updated = split_arguments(updated, original, indent, self.width, self.unit)
+        return split_lengthened_argument_line(updated, original, indent, self.width, self.unit)
 
     def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp) -> cst.DictComp:
         if updated.key.deep_equals(original.key):  # the author's key, however long, is left

@@ -497,6 +497,44 @@ def test_a_line_of_arguments_made_too_long_by_the_added_comma_gets_one_argument_
         """), " " * 4) in _migrated(tmp_path, source)
 
 
+def test_a_line_of_arguments_a_rewritten_read_made_too_long_gets_one_argument_a_line_as_black_splits_it(
+    tmp_path: Path,
+) -> None:
+    # megatron-core 0.19.2's LLaVAModel: the read became pg_group(getattr(self, ...), "cp") on a shared argument line
+    source = textwrap.dedent("""\
+        from megatron.core.parallel_state import get_context_parallel_group
+
+
+        def get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group):
+            return batch
+
+
+        class LLaVAModel:
+            def __init__(self, config, pg_collection=None):
+                self.helper(config)
+                self.pg_collection = pg_collection
+
+            def helper(self, config):
+                pass
+
+            def forward(self, batch, packed_seq_params):
+                if packed_seq_params is None or packed_seq_params.qkv_format == "sbhd":
+                    batch = get_batch_on_this_cp_rank(
+                        batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
+                    )
+                return batch
+        """)
+    migrated = _migrated(tmp_path, source)
+    assert textwrap.indent(textwrap.dedent("""\
+        batch = get_batch_on_this_cp_rank(
+            batch,
+            is_hybrid_cp=False,
+            cp_group=pg_group(getattr(self, "pg_collection", None), "cp"),
+        )
+        """), " " * 12) in migrated
+    assert max(map(len, migrated.splitlines())) <= 100
+
+
 def test_an_authors_long_condition_the_rewrite_did_not_change_is_left(tmp_path: Path) -> None:
     # the ``if`` and ``while`` lines of a rewritten function are split only where the rewrite changed them
     source = textwrap.dedent("""\
