@@ -2442,6 +2442,38 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_side_by_side.py::"
                "test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_getattr",),
     ),
+    # hostile8: an optimizer's clip_grad_norm carries its arguments in the verdict, as the functional clip does.
+    Mutant(
+        name="optim-clip-refuses-an-argument-before-the-reduction",
+        bug="optimizer.clip_grad_norm(-1.0) on one rank raises there before the norm's all-reduce: its peers wait "
+        "in it until the group's timeout",
+        file="pgregistry/optim/_base.py",
+        find="error_if_nonfinite=error_if_nonfinite)\n",
+        replace="error_if_nonfinite=error_if_nonfinite)\n"
+        "    if given.refusal is not None:\n        raise given.refusal\n",
+        tests=("tests/optim/test_optim_clip_arguments_agree.py::"
+               "test_a_max_norm_refused_on_one_rank_raises_on_every_rank_and_scales_nothing[2.0-stages]",),
+    ),
+    Mutant(
+        name="optim-clip-leaves-its-arguments-out-of-the-verdict",
+        bug="ranks given different max_norm values to optimizer.clip_grad_norm clip by different coefficients: "
+        "the replicas drift apart, no rank told",
+        file="pgregistry/optim/_base.py",
+        find="reread=read_shares, given=given)",
+        replace="reread=read_shares)",
+        tests=("tests/optim/test_optim_clip_arguments_agree.py::"
+               "test_different_max_norms_raise_on_every_rank_and_scale_nothing[2.0-stages]",),
+    ),
+    Mutant(
+        name="optim-clip-does-not-read-the-disagreement",
+        bug="ranks given different max_norm values to optimizer.clip_grad_norm scale nothing, their norm NaN, "
+        "without a word on the CPU where the verdict is read for free",
+        file="pgregistry/optim/_base.py",
+        find="    raise_disagreement(reduced, given, owner, error_if_nonfinite)\n",
+        replace="",
+        tests=("tests/optim/test_optim_clip_arguments_agree.py::"
+               "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),
+    ),
 )
 
 
