@@ -2474,6 +2474,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/optim/test_optim_clip_arguments_agree.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),
     ),
+    Mutant(
+        name="modules-optimizer-floats-a-norm-type-beyond-float",
+        bug="MultiModuleOptimizer.clip_grad_norm(norm_type=10**400) on one rank: float() raises a bare OverflowError "
+        "there before any collective, its peers wait in the modules' reductions",
+        file="pgregistry/modules/_optimizer.py",
+        find="p = 2.0 if bad_p is not None else norm_type_as_float(norm_type)",
+        replace="p = 2.0 if bad_p is not None else float(norm_type)",
+        tests=("tests/modules/test_modules_numbers_beyond_float.py::"
+               "test_a_norm_type_beyond_float_on_one_rank_raises_on_every_rank",),
+    ),
+    Mutant(
+        name="modules-stats-float-a-norm-type-beyond-float",
+        bug="pgregistry.modules.grad_norm(norm_type=10**400): float() raises a bare OverflowError on every rank "
+        "instead of the max-norm",
+        file="pgregistry/modules/_stats.py",
+        find="    p = norm_type_as_float(norm_type)\n",
+        replace="    p = float(norm_type)\n",
+        tests=("tests/modules/test_modules_numbers_beyond_float.py::"
+               "test_a_norm_type_beyond_float_is_the_max_norm_as_the_oracle",),
+    ),
 )
 
 
