@@ -2494,6 +2494,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/modules/test_modules_numbers_beyond_float.py::"
                "test_a_norm_type_beyond_float_is_the_max_norm_as_the_oracle",),
     ),
+    Mutant(
+        name="norm-of-grads-records-a-graph",
+        bug="norm_of_grads of grads made with create_graph=True returns a norm with an autograd graph, kept alive "
+        "by every logged norm (torch's get_total_norm runs without grad)",
+        file="pgregistry/grad_stats/_lists.py",
+        find="@torch.no_grad()\ndef norm_of_grads(",
+        replace="def norm_of_grads(",
+        tests=("tests/grad_stats/test_list_paths_without_a_graph.py::"
+               "test_grads_with_a_graph_give_a_norm_and_a_scaling_without_one_as_torch",),
+    ),
+    Mutant(
+        name="clip-grads-records-its-scaling",
+        bug="clip_grads_ of grads made with create_graph=True records its in-place scaling in their graph: a "
+        "gradient penalty through them is scaled too, unlike torch's",
+        file="pgregistry/grad_stats/_lists.py",
+        find="@torch.no_grad()\ndef clip_grads_(",
+        replace="def clip_grads_(",
+        tests=("tests/grad_stats/test_list_paths_without_a_graph.py::"
+               "test_grads_with_a_graph_give_a_norm_and_a_scaling_without_one_as_torch",),
+    ),
 )
 
 
