@@ -2448,6 +2448,78 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/migrate/test_migrate_side_by_side.py::"
                "test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_getattr",),
     ),
+    # hostile8: an optimizer's clip_grad_norm carries its arguments in the verdict, as the functional clip does.
+    Mutant(
+        name="optim-clip-refuses-an-argument-before-the-reduction",
+        bug="optimizer.clip_grad_norm(-1.0) on one rank raises there before the norm's all-reduce: its peers wait "
+        "in it until the group's timeout",
+        file="pgregistry/optim/_base.py",
+        find="error_if_nonfinite=error_if_nonfinite)\n",
+        replace="error_if_nonfinite=error_if_nonfinite)\n"
+        "    if given.refusal is not None:\n        raise given.refusal\n",
+        tests=("tests/optim/test_optim_clip_arguments_agree.py::"
+               "test_a_max_norm_refused_on_one_rank_raises_on_every_rank_and_scales_nothing[2.0-stages]",),
+    ),
+    Mutant(
+        name="optim-clip-leaves-its-arguments-out-of-the-verdict",
+        bug="ranks given different max_norm values to optimizer.clip_grad_norm clip by different coefficients: "
+        "the replicas drift apart, no rank told",
+        file="pgregistry/optim/_base.py",
+        find="reread=read_shares, given=given)",
+        replace="reread=read_shares)",
+        tests=("tests/optim/test_optim_clip_arguments_agree.py::"
+               "test_different_max_norms_raise_on_every_rank_and_scale_nothing[2.0-stages]",),
+    ),
+    Mutant(
+        name="optim-clip-does-not-read-the-disagreement",
+        bug="ranks given different max_norm values to optimizer.clip_grad_norm scale nothing, their norm NaN, "
+        "without a word on the CPU where the verdict is read for free",
+        file="pgregistry/optim/_base.py",
+        find="    raise_disagreement(reduced, given, owner, error_if_nonfinite)\n",
+        replace="",
+        tests=("tests/optim/test_optim_clip_arguments_agree.py::"
+               "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),
+    ),
+    Mutant(
+        name="modules-optimizer-floats-a-norm-type-beyond-float",
+        bug="MultiModuleOptimizer.clip_grad_norm(norm_type=10**400) on one rank: float() raises a bare OverflowError "
+        "there before any collective, its peers wait in the modules' reductions",
+        file="pgregistry/modules/_optimizer.py",
+        find="p = 2.0 if bad_p is not None else norm_type_as_float(norm_type)",
+        replace="p = 2.0 if bad_p is not None else float(norm_type)",
+        tests=("tests/modules/test_modules_numbers_beyond_float.py::"
+               "test_a_norm_type_beyond_float_on_one_rank_raises_on_every_rank",),
+    ),
+    Mutant(
+        name="modules-stats-float-a-norm-type-beyond-float",
+        bug="pgregistry.modules.grad_norm(norm_type=10**400): float() raises a bare OverflowError on every rank "
+        "instead of the max-norm",
+        file="pgregistry/modules/_stats.py",
+        find="    p = norm_type_as_float(norm_type)\n",
+        replace="    p = float(norm_type)\n",
+        tests=("tests/modules/test_modules_numbers_beyond_float.py::"
+               "test_a_norm_type_beyond_float_is_the_max_norm_as_the_oracle",),
+    ),
+    Mutant(
+        name="norm-of-grads-records-a-graph",
+        bug="norm_of_grads of grads made with create_graph=True returns a norm with an autograd graph, kept alive "
+        "by every logged norm (torch's get_total_norm runs without grad)",
+        file="pgregistry/grad_stats/_lists.py",
+        find="@torch.no_grad()\ndef norm_of_grads(",
+        replace="def norm_of_grads(",
+        tests=("tests/grad_stats/test_list_paths_without_a_graph.py::"
+               "test_grads_with_a_graph_give_a_norm_and_a_scaling_without_one_as_torch",),
+    ),
+    Mutant(
+        name="clip-grads-records-its-scaling",
+        bug="clip_grads_ of grads made with create_graph=True records its in-place scaling in their graph: a "
+        "gradient penalty through them is scaled too, unlike torch's",
+        file="pgregistry/grad_stats/_lists.py",
+        find="@torch.no_grad()\ndef clip_grads_(",
+        replace="def clip_grads_(",
+        tests=("tests/grad_stats/test_list_paths_without_a_graph.py::"
+               "test_grads_with_a_graph_give_a_norm_and_a_scaling_without_one_as_torch",),
+    ),
 )
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "count_zeros",
     "grad_norm",
     "grad_norm_and_zeros",
+    "raise_disagreement",
     "reduce_checked",
     "verdict_groups",
 ]
@@ -276,13 +277,13 @@ def _read_and_reduce(
         raise given.refusal
     if clip:
         assert given is not None and reduced.norm64 is not None
-        _raise_disagreement(reduced, given, owner, error_if_nonfinite)
+        raise_disagreement(reduced, given, owner, error_if_nonfinite)
         check_finite(reduced.norm64, error_if_nonfinite)
         read.clip_(Clipping(max_norm, reduced.norm64))  # type: ignore[arg-type]  # checked
     return reduced, read
 
 
-def _raise_disagreement(
+def raise_disagreement(
     reduced: Reduced, given: Given, owner: str, error_if_nonfinite: bool
 ) -> None:
     """Raise the clip's arguments' disagreement across ranks, where it costs no device sync.

@@ -122,6 +122,7 @@ def _shares_of_groups(
     return shares
 
 
+@torch.no_grad()
 def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type``-norm of already-filtered grads, each group's share summed over its group.
 
@@ -129,7 +130,9 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
     every rank agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Exact
     where ``sum |g|^p`` leaves the float range: the 1-, 2- and inf-norm in the one reduction, with
     no host sync; another ``p`` reads the norm on the host once and, only there, the grads twice
-    more (:func:`~pgregistry.grad_stats._reductions.reduce_shares`).
+    more (:func:`~pgregistry.grad_stats._reductions.reduce_shares`). Without grad, as torch's
+    ``get_total_norm`` and the model paths: grads made with ``create_graph=True`` gave a norm with
+    an autograd graph, kept alive by every logged norm.
 
     Args:
         grads_by_group: reduction group -> the grads counted on this rank. Every rank of a group
@@ -179,6 +182,7 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
     return zeros
 
 
+@torch.no_grad()
 def clip_grads_(
     grads: list[torch.Tensor] | tuple[torch.Tensor, ...],
     max_norm: float,
@@ -192,7 +196,9 @@ def clip_grads_(
     1 leaves a grad unchanged (and is skipped). A NaN or infinite ``total_norm`` (an overflow, one
     NaN grad anywhere in the world) leaves every grad unscaled: its coefficient would be NaN, or 0
     for an infinite norm, and would poison or erase the finite grads too; the caller sees the
-    non-finite norm and skips the step.
+    non-finite norm and skips the step. Without grad, as torch's ``clip_grads_with_norm_``: grads
+    made with ``create_graph=True`` had their scaling recorded in their graph (a gradient penalty
+    through them differed from torch's).
 
     Args:
         grads: the grads to scale, every copy of them (duplicates the norm does not count too, so

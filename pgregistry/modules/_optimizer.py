@@ -38,7 +38,7 @@ import torch
 from pgregistry._runtime.agreement import check_agreement, combine_faults
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification
-from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
+from pgregistry.grad_stats._arguments import max_norm_error, norm_type_as_float, norm_type_error
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 from pgregistry.modules._options import describe_options, options_error
 from pgregistry.modules._stats import (
@@ -329,7 +329,8 @@ class MultiModuleOptimizer:
         optimizer's statistic that raises on its module's ranks travels there too
         (:func:`~pgregistry.modules._stats.module_values`)."""
         bad_p = norm_type_error(norm_type)
-        p = 2.0 if bad_p is not None else float(norm_type)
+        # norm_type_as_float, not float(): 10**400 is inf, not an OverflowError on this rank alone
+        p = 2.0 if bad_p is not None else norm_type_as_float(norm_type)
         fields = {
             "norm_type": repr(norm_type),
             "max_norm": repr(max_norm),

@@ -48,7 +48,7 @@ from pgregistry._runtime.communicators import span_text
 from pgregistry._runtime.flags import flag_error
 from pgregistry._runtime.resolve import ParamsLike, source_of
 from pgregistry.grad_stats import backend_device, clip_grads_
-from pgregistry.grad_stats._arguments import max_norm_error, norm_type_error
+from pgregistry.grad_stats._arguments import max_norm_error, norm_type_as_float, norm_type_error
 from pgregistry.grad_stats._functional import CheckedPlan, check_plan, reduce_checked
 from pgregistry.grad_stats._lists import check_finite
 from pgregistry.grad_stats._plan import Read
@@ -210,8 +210,9 @@ def _job_grad_norm(
     :func:`_agree_on_models`); its read holds the pieces a clip scales (:meth:`Read.clip_`). A
     module's statistic that refuses its model is raised on every rank, as ``owner``'s called with
     ``options`` (:func:`module_values`); with ``clipping``, so is a grad tensor in two modules'
-    models on a rank (:func:`_grad_in_two_modules`)."""
-    p = float(norm_type)
+    models on a rank (:func:`_grad_in_two_modules`). ``norm_type`` was agreed and checked: a number
+    beyond float's range is an infinity (``float()`` raised ``OverflowError``)."""
+    p = norm_type_as_float(norm_type)
 
     def module_norm(name: str, plan: CheckedPlan) -> tuple[torch.Tensor, Read]:
         reduced, read = reduce_checked(plan, "grad_norm", Wanted.of(p, zeros=False))

@@ -50,8 +50,9 @@ from pgregistry._runtime.meta_tensors import meta_tensor_error
 from pgregistry._runtime.overlapping_tensors import first_overlap
 from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
+from pgregistry.grad_stats._arguments import Given, arguments_of_call
 from pgregistry.grad_stats._dtensors import is_dtensor
-from pgregistry.grad_stats._functional import verdict_groups
+from pgregistry.grad_stats._functional import raise_disagreement, verdict_groups
 from pgregistry.grad_stats._lists import check_finite, scale_grads_
 from pgregistry.grad_stats._reductions import (
     Clipping,
@@ -59,7 +60,6 @@ from pgregistry.grad_stats._reductions import (
     Reduced,
     Shares,
     Wanted,
-    check_max_norm,
     reduce_shares,
 )
 from pgregistry.optim._flat_step import FLAT_DTYPES, Copy, ElementwiseRule, FlatStep
@@ -683,10 +683,11 @@ def statistics_of(
     wanted: Wanted,
     *,
     verdict: Sequence[ProcessGroup | None] = (),
+    given: Given | None = None,
 ) -> Reduced:
     """The statistics of ``optimizers``' grads: every one's local shares in one set, reduced once.
 
-    ``verdict``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`."""
+    ``verdict`` and ``given``: see :func:`~pgregistry.grad_stats._reductions.reduce_shares`."""
 
     def read_shares(wanted: Wanted) -> Shares:
         shares = Shares(wanted, optimizers[0].buffer.data.device)
@@ -694,25 +695,37 @@ def statistics_of(
             optimizer.local_shares(shares)
         return shares
 
-    return reduce_shares(read_shares(wanted), verdict=verdict, reread=read_shares)
+    return reduce_shares(read_shares(wanted), verdict=verdict, reread=read_shares, given=given)
 
 
 def clip_grads_of(
-    optimizers: Sequence[FlatOptimizer], max_norm: float, norm_type: float, error_if_nonfinite: bool
+    optimizers: Sequence[FlatOptimizer],
+    max_norm: object,
+    norm_type: object,
+    error_if_nonfinite: object,
 ) -> torch.Tensor:
     """Clip the grads of ``optimizers`` from their one norm; return the norm before clipping.
 
     ``optimizers`` is one optimizer, or a chained optimizer's children. Their shares are reduced
     together with the job-wide verdict over ``intra_dist_opt``
     (:func:`~pgregistry.grad_stats._functional.verdict_groups`), then every grad is scaled by the
-    one coefficient."""
-    check_max_norm(max_norm)  # before any collective
-    verdict = verdict_groups(optimizers[0].stats_groups.collection, "clip_grad_norm")
-    reduced = statistics_of(optimizers, Wanted.of(norm_type, zeros=False), verdict=verdict)
-    assert reduced.norm64 is not None
+    one coefficient. The arguments ride in that verdict, as the functional clip's do
+    (:mod:`~pgregistry.grad_stats._arguments`): one refused on this rank is raised after the
+    reduction, which it joined, so no peer is left waiting in it; ranks given different values
+    scale nothing (the norm NaN on every rank) and raise where the verdict is read without a device
+    sync."""
+    owner = "clip_grad_norm"
+    given = arguments_of_call(norm_type, max_norm, clip=True, error_if_nonfinite=error_if_nonfinite)
+    verdict = verdict_groups(optimizers[0].stats_groups.collection, owner)
+    wanted = Wanted(given.p, zeros=False)
+    reduced = statistics_of(optimizers, wanted, verdict=verdict, given=given)
+    if given.refusal is not None:
+        raise given.refusal
+    assert reduced.norm64 is not None and isinstance(error_if_nonfinite, bool)
+    raise_disagreement(reduced, given, owner, error_if_nonfinite)
     check_finite(reduced.norm64, error_if_nonfinite)
     grads = [grad for optimizer in optimizers for grad in optimizer.grads_to_clip()]
-    scale_grads_(grads, Clipping(max_norm, reduced.norm64))
+    scale_grads_(grads, Clipping(max_norm, reduced.norm64))  # type: ignore[arg-type]  # checked
     return reduced.clip_norm
 
 
