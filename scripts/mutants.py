@@ -111,6 +111,16 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_a_line_of_arguments_a_rewritten_read_made_too_long_gets_one_argument_a_line_as_black_splits_it",),
     ),
     Mutant(
+        name="optimizer-statistics-refuse-a-norm-type-before-the-reduction",
+        bug="an optimizer's or grad buffer's get_grad_norm given a norm_type refused on one rank raises there before "
+        "the norm's all-reduce: its peers wait until the group's timeout",
+        file="pgregistry/optim/_grad_statistics.py",
+        find="        reduced = self.statistics(Wanted(given.p, zeros=zeros), given)",
+        replace="        reduced = self.statistics(Wanted.of(norm_type, zeros=zeros), given)",
+        tests=("tests/optim/test_optim_norm_type_refused_on_one_rank.py::"
+               "test_a_norm_type_refused_on_one_rank_leaves_its_peer_a_nan_norm_not_a_wait[stages-buffer]",),
+    ),
+    Mutant(
         name="negative-norm-clip-coefficient",
         bug="a negative total_norm on a device (not read back) clips by a negative coefficient: every grad flipped",
         file="pgregistry/grad_stats/_reductions.py",

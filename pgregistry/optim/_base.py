@@ -110,9 +110,9 @@ class OptimizerStatistics(GradStatistics):
     def stats_optimizers(self) -> Sequence[FlatOptimizer]:
         """The flat optimizers whose grads the statistics read and clipping scales."""
 
-    def statistics(self, wanted: Wanted) -> Reduced:
+    def statistics(self, wanted: Wanted, given: Given | None = None) -> Reduced:
         """The grad statistics of the model the optimizer covers, through the one reducer."""
-        return statistics_of(self.stats_optimizers(), wanted)
+        return statistics_of(self.stats_optimizers(), wanted, given=given)
 
     get_grad_norm = GradStatistics._grad_norm
     count_zeros = GradStatistics._count_zeros

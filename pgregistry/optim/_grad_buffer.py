@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from pgregistry.collection import UNSET, Unset, group_rank, group_size
 from pgregistry.grad_stats import is_counted, reduce_group_of
+from pgregistry.grad_stats._arguments import Given
 from pgregistry.grad_stats._fused import (
     can_run_fused_stats,
     is_kernel_readable,
@@ -249,12 +250,12 @@ class GradBuffer(GradStatistics):
         """Add the parts of the counted grads to ``shares`` (see :func:`span_shares`)."""
         span_shares(self.data, self.spans, shares)
 
-    def statistics(self, wanted: Wanted) -> Reduced:
+    def statistics(self, wanted: Wanted, given: Given | None = None) -> Reduced:
         """The counted grads' statistics, each span's part reduced over its group.
 
         No host sync for the 1-, 2- and inf-norm; another ``p`` reads whether its norm is exact
-        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
-        return reduce_shares(self._fresh_shares(wanted), reread=self._fresh_shares)
+        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`, which takes ``given``)."""
+        return reduce_shares(self._fresh_shares(wanted), reread=self._fresh_shares, given=given)
 
     def _fresh_shares(self, wanted: Wanted) -> Shares:
         shares = Shares(wanted, self.data.device, (span.group for span in self.spans))

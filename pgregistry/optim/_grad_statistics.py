@@ -14,6 +14,7 @@ import abc
 
 import torch
 
+from pgregistry.grad_stats._arguments import Given, arguments_of_call
 from pgregistry.grad_stats._reductions import Reduced, Wanted
 
 
@@ -24,8 +25,22 @@ class GradStatistics(abc.ABC):
     """
 
     @abc.abstractmethod
-    def statistics(self, wanted: Wanted) -> Reduced:
-        """The ``wanted`` statistics of the grads, each part reduced over its group."""
+    def statistics(self, wanted: Wanted, given: Given | None = None) -> Reduced:
+        """The ``wanted`` statistics of the grads, each part reduced over its group.
+
+        ``given``: the call's checked arguments, a refused one's shares NaN
+        (:func:`~pgregistry.grad_stats._reductions.reduce_shares`)."""
+
+    def _reduce_with_norm_type(self, norm_type: object, zeros: bool) -> Reduced:
+        """The statistics with the ``norm_type``-norm, a refused ``norm_type`` raised after them.
+
+        This rank joins the reduction with a NaN share before raising its refusal, so its peers
+        get a NaN norm instead of waiting in the all-reduce for it."""
+        given = arguments_of_call(norm_type, None, clip=False)
+        reduced = self.statistics(Wanted(given.p, zeros=zeros), given)
+        if given.refusal is not None:
+            raise given.refusal
+        return reduced
 
     def _grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The ``norm_type``-norm of the counted grads, reduced over their groups (0-dim).
@@ -43,9 +58,10 @@ class GradStatistics(abc.ABC):
 
         Raises:
             TypeError: ``norm_type`` is no real number (``None``, a str, a bool).
-            ValueError: ``norm_type`` is 0, negative or NaN.
+            ValueError: ``norm_type`` is 0, negative or NaN (after the reduction, which this rank
+                joins with a NaN share: its peers get a NaN norm).
         """
-        return self.statistics(Wanted.of(norm_type, zeros=False)).norm
+        return self._reduce_with_norm_type(norm_type, zeros=False).norm
 
     def _count_zeros(self) -> torch.Tensor:
         """How many zeros the counted grads hold, reduced over their groups (0-dim int64).
@@ -73,8 +89,8 @@ class GradStatistics(abc.ABC):
 
         Raises:
             TypeError: ``norm_type`` is no real number (``None``, a str, a bool).
-            ValueError: ``norm_type`` is 0, negative or NaN.
+            ValueError: ``norm_type`` is 0, negative or NaN (after the reduction, as for the norm).
         """
-        reduced = self.statistics(Wanted.of(norm_type, zeros=True))
+        reduced = self._reduce_with_norm_type(norm_type, zeros=True)
         assert reduced.zeros is not None
         return reduced.norm, reduced.zeros
