@@ -1680,8 +1680,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="migrate takes self.pg_collection set by __init__ after it calls self.build() for set in build, which "
         "then raises AttributeError",
         file="pgregistry/migrate/_plan.py",
-        find="function.calls_self_at is None or function.calls_self_at > index",
-        replace="True",
+        find="early = index >= 0 and function.method_of.name.value not in self.late",
+        replace="early = index >= 0",
         tests=(
             "tests/migrate/test_migrate_side_by_side.py::"
             "test_a_collection_attribute_that_may_not_be_set_yet_is_read_with_getattr",

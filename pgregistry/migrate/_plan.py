@@ -224,9 +224,6 @@ class Function:
     top: int = 0
     #: Index in the body of the module-level class holding it (-1: not in one).
     member: int = -1
-    #: The first top-level statement that calls a method of ``self`` (``self._build()``): one
-    #: that may read an attribute the statements after it set.
-    calls_self_at: int | None = None
     #: Locals (or the parameter) assigned ``ProcessGroupCollection(...)`` -> the fields it is given
     #: from something other than a getter's call (``tp=tp_group``; ``*``: positional or ``**``),
     #: which need not be the global groups (:func:`_fields_given`).
@@ -649,13 +646,10 @@ class _Locator(cst.CSTVisitor):
             and target.value.value == function.self_name
         ):
             # Where every later statement finds it set: a top-level simple statement (-1: in a
-            # block); early: above any call of a method of self, which may read it.
+            # block); early: no code before it may call a method of self, which may read it (the
+            # tree's facts tell: TreeFacts.set_late, every call of self.<m>() above it included).
             index = self.statement[-1] if self._at_the_top_of(function) else -1
-            early = (
-                index >= 0
-                and (function.calls_self_at is None or function.calls_self_at > index)
-                and function.method_of.name.value not in self.late
-            )
+            early = index >= 0 and function.method_of.name.value not in self.late
             self.attributes[id(function.method_of)].append(
                 Assigned(target.attr.value, function.node.name.value, index, early)
             )
@@ -718,15 +712,6 @@ class _Locator(cst.CSTVisitor):
             and not node.args
         ):
             function.names.add(CALLS_LOCALS)  # reads the frame's locals, as locals() does
-        if (
-            function is not None
-            and function.calls_self_at is None
-            and len(self.statement) == 2
-            and isinstance(node.func, cst.Attribute)
-            and isinstance(node.func.value, cst.Name)
-            and node.func.value.value == function.self_name
-        ):
-            function.calls_self_at = self.statement[-1]
         site = None
         located = self.positions.get(self.top)
         unit = (self.top, self.member if self.top in self.members else -1)
