@@ -27,6 +27,8 @@ from typing import Final
 import attrs
 import torch
 
+from pgregistry._runtime.flags import flag_error
+
 __all__ = [
     "AGREEMENT_WIDTH_MAX",
     "AGREEMENT_WIDTH_SUM",
@@ -192,12 +194,7 @@ def arguments_of_call(
     true, and raised on a non-finite norm where the caller meant to skip the step."""
     max_norm_fault = max_norm_error(max_norm) if clip else None
     norm_type_fault = norm_type_error(norm_type)
-    flag_fault = None
-    if not isinstance(error_if_nonfinite, bool):
-        flag_fault = TypeError(
-            f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r} "
-            f"({type(error_if_nonfinite).__name__})"
-        )
+    flag_fault = flag_error(error_if_nonfinite, "error_if_nonfinite")
     p = real_number(norm_type) if norm_type_fault is None else None
     refusal = max_norm_fault or norm_type_fault or flag_fault
     value = real_number(max_norm) if clip and refusal is None else None
