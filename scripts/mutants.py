@@ -2371,8 +2371,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="clip_grad_norm_(..., error_if_nonfinite='False') is true: a non-finite norm raises where the caller "
         "meant to skip the step",
         file="pgregistry/grad_stats/_arguments.py",
-        find="    if not isinstance(error_if_nonfinite, bool):\n",
-        replace="    if False:\n",
+        find='    flag_fault = flag_error(error_if_nonfinite, "error_if_nonfinite")\n',
+        replace="    flag_fault = None\n",
         tests=("tests/grad_stats/test_hostile_inputs_sixth_round.py::"
                "test_error_if_nonfinite_given_as_a_string_is_refused_on_every_rank_not_taken_as_true",),
     ),
