@@ -2484,8 +2484,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="optim-clip-does-not-read-the-disagreement",
         bug="ranks given different max_norm values to optimizer.clip_grad_norm scale nothing, their norm NaN, "
         "without a word on the CPU where the verdict is read for free",
-        file="pgregistry/optim/_base.py",
-        find="    raise_disagreement(reduced, given, owner, error_if_nonfinite)\n",
+        file="pgregistry/grad_stats/_functional.py",
+        find="    _raise_disagreement(reduced, given, owner, error_if_nonfinite)\n",
         replace="",
         tests=("tests/optim/test_optim_clip_arguments_agree.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),

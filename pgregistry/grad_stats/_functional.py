@@ -58,10 +58,10 @@ __all__ = [
     "check_plan",
     "classify_grads",
     "clip_grad_norm_",
+    "clipping_after",
     "count_zeros",
     "grad_norm",
     "grad_norm_and_zeros",
-    "raise_disagreement",
     "reduce_checked",
     "verdict_groups",
 ]
@@ -273,17 +273,31 @@ def _read_and_reduce(
         reread=lambda again: plan.read(ordered, again).shares,
         given=given,
     )
-    if given is not None and given.refusal is not None:
-        raise given.refusal
     if clip:
-        assert given is not None and reduced.norm64 is not None
-        raise_disagreement(reduced, given, owner, error_if_nonfinite)
-        check_finite(reduced.norm64, error_if_nonfinite)
-        read.clip_(Clipping(max_norm, reduced.norm64))  # type: ignore[arg-type]  # checked
+        assert given is not None
+        read.clip_(clipping_after(reduced, given, owner, max_norm, error_if_nonfinite))
+    elif given is not None and given.refusal is not None:
+        raise given.refusal
     return reduced, read
 
 
-def raise_disagreement(
+def clipping_after(
+    reduced: Reduced, given: Given, owner: str, max_norm: object, error_if_nonfinite: object
+) -> Clipping:
+    """A clip's scaling once its reduction is made, after what every clip checks first, in order.
+
+    This rank's refused argument (it joined the reduction first: no peer waits), then the ranks'
+    disagreement where it costs no device sync (:func:`_raise_disagreement`), then, with
+    ``error_if_nonfinite``, a non-finite norm. The functional clips and the optimizers' share it."""
+    if given.refusal is not None:
+        raise given.refusal
+    assert reduced.norm64 is not None and isinstance(error_if_nonfinite, bool)
+    _raise_disagreement(reduced, given, owner, error_if_nonfinite)
+    check_finite(reduced.norm64, error_if_nonfinite)
+    return Clipping(max_norm, reduced.norm64)  # type: ignore[arg-type]  # checked: given
+
+
+def _raise_disagreement(
     reduced: Reduced, given: Given, owner: str, error_if_nonfinite: bool
 ) -> None:
     """Raise the clip's arguments' disagreement across ranks, where it costs no device sync.

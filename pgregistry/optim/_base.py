@@ -52,10 +52,9 @@ from pgregistry.collection import UNSET, group_size
 from pgregistry.grad_stats import backend_device
 from pgregistry.grad_stats._arguments import Given, arguments_of_call
 from pgregistry.grad_stats._dtensors import is_dtensor
-from pgregistry.grad_stats._functional import raise_disagreement, verdict_groups
-from pgregistry.grad_stats._lists import check_finite, scale_grads_
+from pgregistry.grad_stats._functional import clipping_after, verdict_groups
+from pgregistry.grad_stats._lists import scale_grads_
 from pgregistry.grad_stats._reductions import (
-    Clipping,
     GroupKey,
     Reduced,
     Shares,
@@ -719,13 +718,9 @@ def clip_grads_of(
     verdict = verdict_groups(optimizers[0].stats_groups.collection, owner)
     wanted = Wanted(given.p, zeros=False)
     reduced = statistics_of(optimizers, wanted, verdict=verdict, given=given)
-    if given.refusal is not None:
-        raise given.refusal
-    assert reduced.norm64 is not None and isinstance(error_if_nonfinite, bool)
-    raise_disagreement(reduced, given, owner, error_if_nonfinite)
-    check_finite(reduced.norm64, error_if_nonfinite)
+    clipping = clipping_after(reduced, given, owner, max_norm, error_if_nonfinite)
     grads = [grad for optimizer in optimizers for grad in optimizer.grads_to_clip()]
-    scale_grads_(grads, Clipping(max_norm, reduced.norm64))  # type: ignore[arg-type]  # checked
+    scale_grads_(grads, clipping)
     return reduced.clip_norm
 
 
