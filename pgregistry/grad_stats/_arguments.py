@@ -317,9 +317,7 @@ class Agreement:
                     values[1 : 1 + count], values[1 + count :], strict=True
                 )
             ]
-        sums, squares = values[1 : 1 + _BYTES], values[1 + _BYTES :]
-        equal = [self.ranks * int(s2) == int(s1) ** 2 for s1, s2 in zip(sums, squares, strict=True)]
-        return [None if all(equal[8 * k : 8 * k + 8]) else "" for k in range(count)]
+        return ["" if differs else None for differs in self.differing().tolist()]
 
     @staticmethod
     def _range_text(high: float, least: float) -> str | None:
