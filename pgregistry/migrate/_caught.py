@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from pgregistry.migrate._facts import last_name
+
 __all__ = ["CAUGHT_REASON", "calls_a_handler_may_catch"]
 
 CAUGHT_REASON = (
@@ -65,7 +67,7 @@ def _may_catch(handler: ast.expr | None) -> bool:
     if handler is None:
         return True
     names = handler.elts if isinstance(handler, ast.Tuple) else [handler]
-    return any(_may_name_a_warning_class(_last_name(n)) for n in names)
+    return any(_may_name_a_warning_class(last_name(n)) for n in names)
 
 
 def _may_name_a_warning_class(name: str | None) -> bool:
@@ -80,13 +82,6 @@ def _may_name_a_warning_class(name: str | None) -> bool:
 def _suppresses_a_warning(expression: ast.expr) -> bool:
     return (
         isinstance(expression, ast.Call)
-        and _last_name(expression.func) == "suppress"
+        and last_name(expression.func) == "suppress"
         and any(_may_catch(a) for a in expression.args)
     )
-
-
-def _last_name(node: ast.expr) -> str | None:
-    """``Exception`` of ``Exception`` or ``builtins.Exception``; None for another form."""
-    if isinstance(node, ast.Name):
-        return node.id
-    return node.attr if isinstance(node, ast.Attribute) else None

@@ -38,6 +38,7 @@ __all__ = [
     "TreeIndex",
     "calls_within",
     "functions_by_qualname",
+    "last_name",
     "read_file_facts",
     "resolve_dotted_name",
     "spec_field_of_call",
@@ -233,6 +234,18 @@ def _reads_the_frame(call: ast.Call) -> bool:
 
 def _parameter_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
     return tuple(a.arg for a in (*node.args.args, *node.args.kwonlyargs))
+
+
+def last_name(node: ast.expr) -> str | None:
+    """The last name of a dotted name, None for another form.
+
+    ``nn.Module`` -> ``Module``; ``Generic[T]`` -> ``Generic``; ``builtins.Exception`` ->
+    ``Exception``."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
 
 
 def _decorator_last_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:

@@ -27,6 +27,8 @@ import ast
 import re
 from collections.abc import Callable, Iterable, Mapping
 
+from pgregistry.migrate._facts import last_name
+
 __all__ = ["QUIET_OUTSIDE", "classes_setting_late"]
 
 #: Bases outside the tree (by last name) whose ``__init__`` calls no method of ``self``:
@@ -204,7 +206,7 @@ def _subclass_runs_first(node: ast.ClassDef, methods: frozenset[str], owners: se
         explicit = (
             call.func.attr == "__init__"
             and isinstance(call.func.value, (ast.Name, ast.Attribute))
-            and _last_name(call.func.value) in owners
+            and last_name(call.func.value) in owners
             and bool(call.args)
             and _is_name(call.args[0], self_name)
         )
@@ -292,17 +294,6 @@ def _self_name(function: ast.FunctionDef) -> str | None:
     return params[0].arg if params else None
 
 
-def _last_name(node: ast.expr) -> str:
-    """The last name of a dotted name, ``?`` for another form.
-
-    ``nn.Module`` -> ``Module``; ``Generic[T]`` -> ``Generic``."""
-    while isinstance(node, ast.Subscript):
-        node = node.value
-    if isinstance(node, ast.Name):
-        return node.id
-    return node.attr if isinstance(node, ast.Attribute) else "?"
-
-
 def _base_names(node: ast.ClassDef) -> set[str]:
     """The last names of ``node``'s bases (``?``, not known quiet, for a base of another form)."""
-    return {_last_name(base) for base in node.bases}
+    return {last_name(base) or "?" for base in node.bases}
