@@ -92,7 +92,7 @@ test: setup
 	$(VENV)/bin/pgregistry allowlist check --no-cache
 	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
 		PGREGISTRY_REQUIRE_TORCHTITAN=$(if $(TORCHTITAN),1,0) PGREGISTRY_REQUIRE_CORPUS=$(if $(CORPUS),1,0) \
-		$(PY) -m pytest
+		PGREGISTRY_COMPILED_CHECKS=required $(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -80,6 +80,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import os
 import statistics
 import sys
 import time
@@ -114,6 +115,8 @@ from pgregistry.collection import FIELD_NAMES, ProcessGroupCollection  # noqa: E
 from pgregistry.grad_stats import _fused as fused  # noqa: E402
 from pgregistry.grad_stats import _plan as plans  # noqa: E402
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros  # noqa: E402
+from pgregistry.grad_stats._compiled import ENV as COMPILED_ENV  # noqa: E402
+from pgregistry.grad_stats._compiled import steady_checks  # noqa: E402
 from pgregistry.grad_stats._fused import can_run_fused_stats  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -459,7 +462,7 @@ def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
         return (
             plan is kept.plan
             and steady is layout
-            and planned.pieces_of(plans._grads_of(ordered), steady.take_plain) is not None
+            and planned.pieces_from(ordered, steady.take_plain)[0] is not None
         )
 
     pieces: dict[str, tuple[Callable[[], Any], Callable[[Any], bool]]] = {  # each piece, and its steady answer
@@ -469,16 +472,27 @@ def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
         ),
         "kept: parameter set": (lambda: kept.plan_params(source), lambda params_read: params_read is kept.params),
         "kept: roles": (kept._same_roles, lambda same: same is True),
-        "grads read (pgregistry's)": (
-            lambda: plans._grads_of(params),
-            lambda read: len(read) == len(grads) and all(map(operator.is_, read, grads)),
+        **(
+            {
+                "grads read (pgregistry's)": (
+                    lambda: plans._grads_of(params),
+                    lambda read: len(read) == len(grads) and all(map(operator.is_, read, grads)),
+                ),
+                # what _Planned.pieces_of compares, the planned grads alive (no death noted); every grad a piece here
+                "planned grads: identity": (
+                    lambda: planned._are_planned(grads, grads),
+                    lambda same: same and not planned.deaths,
+                ),
+                "planned grads: addresses": (lambda: planned._at_planned_addresses(grads), lambda same: same is True),
+            }
+            if planned.checks is None
+            else {  # the compiled pass (grad_stats._compiled): the grads read, their identity and addresses at once
+                "planned grads: compiled pass": (
+                    lambda: planned.pieces_from(params, layout.take_plain)[0],
+                    lambda read: read is not None and all(map(operator.is_, read, grads)),
+                ),
+            }
         ),
-        # what _Planned.pieces_of compares, the planned grads alive (no death noted); every grad a piece here
-        "planned grads: identity": (
-            lambda: planned._are_planned(grads, grads),
-            lambda same: same and not planned.deaths,
-        ),
-        "planned grads: addresses": (lambda: planned._at_planned_addresses(grads), lambda same: same is True),
         WHOLE_PIECE: (whole, lambda same: same is True),
     }
 
@@ -561,8 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     if not counts or min(counts) < 2 or args.repeat < 1 or args.warmup < 0:
         parser.error("parameter counts must be at least 2, --repeat positive, --warmup not negative")
     kernel = "on" if can_run_fused_stats(device) else "off"
+    checks = "compiled" if steady_checks() is not None else f"Python ({COMPILED_ENV}={os.environ.get(COMPILED_ENV)})"
     print(f"grad statistics over a model: torch {torch.__version__}, device {describe_device(device)}, one-read "
-          f"kernel {kernel}, {args.dtype} grads{', every parameter marked as by Megatron TP' if args.marked else ''}, "
+          f"kernel {kernel}, steady-state checks {checks}, {args.dtype} grads"
+          f"{', every parameter marked as by Megatron TP' if args.marked else ''}, "
           f"median of {args.repeat} after {args.warmup} warm-up runs")
     runs, problems = [], []
     for count in counts:

@@ -152,8 +152,8 @@ MUTANTS: tuple[Mutant, ...] = (
         find=(
 
             'same = _all_empty(self._empty_holders) and _same_stream(\n'
-            '                self._current_holder_contents(), self._held\n'
-            '            )'
+            '                    self._current_holder_contents(), self._held\n'
+            '                )'
 
         ),
         replace='same = _same_stream(self._current_holder_contents(), self._held)',
@@ -2528,6 +2528,42 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="def clip_grads_(",
         tests=("tests/grad_stats/test_list_paths_without_a_graph.py::"
                "test_grads_with_a_graph_give_a_norm_and_a_scaling_without_one_as_torch",),
+    ),
+    Mutant(
+        name="compiled-check-skips-the-grads-address",
+        bug="the compiled steady-state check takes a grad re-pointed at other storage (set_, .data =) for the "
+        "planned one: the read launches over memory the grad no longer holds",
+        file="pgregistry/grad_stats/_steady_checks.cpp",
+        find="!grad.has_storage() ||\n        reinterpret_cast<int64_t>(grad.const_data_ptr()) != rows[2 * index + 1]",
+        replace="!grad.has_storage()",
+        tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
+               "test_the_compiled_checks_answer_as_the_python_ones[a grad re-pointed at other storage]",
+               "tests/grad_stats/test_grad_stats_kept_plan.py::"
+               "test_a_grad_moved_in_place_and_requires_grad_toggled_are_seen[compiled]"),
+    ),
+    Mutant(
+        name="compiled-check-misses-a-parameter-removed-at-the-end",
+        bug="the compiled parameter-set check compares the held parameters only as far as the modules' dictionaries "
+        "go: the last parameter deleted, the kept plan still reads its grad",
+        file="pgregistry/grad_stats/_steady_checks.cpp",
+        find="  return at == count;\n}",
+        replace="  return true;\n}",
+        tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
+               "test_the_compiled_checks_answer_as_the_python_ones[the last parameter deleted]",
+               "tests/grad_stats/test_grad_stats_kept_plan.py::"
+               "test_a_parameter_removed_or_added_at_the_end_of_the_parameter_set_is_seen[compiled]"),
+    ),
+    Mutant(
+        name="compiled-check-skips-the-roleless-parameters",
+        bug="the compiled roles check does not look at parameters whose attributes held no role: a role set on one "
+        "later (Megatron-Core sets them as attributes) leaves the plan counting it as before",
+        file="pgregistry/grad_stats/_steady_checks.cpp",
+        find="  for (const py::handle dict : roleless) {",
+        replace="  for (const py::handle dict : py::list()) {",
+        tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
+               "test_the_compiled_checks_answer_as_the_python_ones[a role on a parameter without one]",
+               "tests/grad_stats/test_grad_stats_kept_plan.py::"
+               "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before[compiled]"),
     ),
 )
 

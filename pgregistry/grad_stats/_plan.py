@@ -60,6 +60,7 @@ import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress, count, repeat
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
@@ -79,6 +80,7 @@ from pgregistry._runtime.resolve import (
 )
 from pgregistry.collection import GroupName, ProcessGroupCollection
 from pgregistry.grad_stats._classification import holds_experts, require_classified_experts
+from pgregistry.grad_stats._compiled import steady_checks
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._dtensors import MeshAxes, classify_dtensor_grad, decision_of, is_partial
 from pgregistry.grad_stats._filters import (
@@ -227,6 +229,12 @@ class _Planned:
     """The references whose grad died: while empty, every reference gives its live grad."""
     positions: list[int]
     """Every piece's position, for :data:`_ADDRESSES_AT` (which takes a list); empty without it."""
+    checks: ModuleType | None
+    """The compiled checks (:func:`~pgregistry.grad_stats._compiled.steady_checks`), or ``None``
+    where they are not built (the Python check, :meth:`pieces_of`, runs)."""
+    rows: torch.Tensor | None
+    """For the compiled check, each parameter's grad as one row: its tensor's address (``_cdata``,
+    0 for no grad) and its data's; ``None`` without it."""
 
     @classmethod
     def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
@@ -236,7 +244,33 @@ class _Planned:
         nones = list(compress(range(len(grads)), map(operator.is_, grads, repeat(None))))
         positions = list(range(len(pieces))) if _ADDRESSES_AT is not None else []
         addresses = list(map(_ADDRESS, pieces))
-        return cls(references, _make_picker(nones, len(grads)), addresses, deaths, positions)
+        rows = None
+        checks = steady_checks()
+        if checks is not None:
+            rows = torch.tensor(
+                [(0, 0) if grad is None else (grad._cdata, _ADDRESS(grad)) for grad in grads],
+                dtype=torch.int64,
+            ).reshape(len(grads), 2)
+        take_none = _make_picker(nones, len(grads))
+        return cls(references, take_none, addresses, deaths, positions, checks, rows)
+
+    def pieces_from(
+        self, params: Sequence[torch.Tensor], take_plain: Callable[[Sequence[Any]], list[Any]]
+    ) -> tuple[list[Any] | None, list[Any] | None]:
+        """The pieces of the grads of ``params`` when they are the very grads planned for (else
+        ``None``), and the grads where this read them (else ``None``), so a miss reads them once.
+
+        In one compiled pass where built (:attr:`rows`): deaths first, as :meth:`pieces_of` does,
+        since while none is noted every planned grad lives, so its tensor's address names it alone
+        and a grad at that address is the planned object; then each grad, read as autograd holds it,
+        compared with its row. Else :meth:`pieces_of` on the grads read here."""
+        if self.checks is None:
+            grads = _grads_of(params)
+            return self.pieces_of(grads, take_plain), grads
+        if self.deaths:
+            return None, None
+        pieces: list[Any] | None = self.checks.planned_pieces(_as_list(params), self.rows)
+        return pieces, None
 
     def pieces_of(
         self, grads: list[Any], take_plain: Callable[[Sequence[Any]], list[Any]]
@@ -356,15 +390,17 @@ class Plan:
 
     def read(self, params: Sequence[torch.Tensor], wanted: Wanted) -> Read:
         """Read the grads of ``params`` (the plan's parameters, in its order) into shares."""
-        grads = _grads_of(params)
         layout = self._layout
+        grads: list[Any] | None = None
         if layout is not None:
             if layout.planned_for is not None:
-                planned = layout.planned_for.pieces_of(grads, layout.take_plain)
+                planned, grads = layout.planned_for.pieces_from(params, layout.take_plain)
                 if planned is not None:  # the grads the reads were planned for, where they were
                     layout.misses = 0
                     return self._read_pieces(layout, planned, [], params, wanted)
             layout.misses += 1
+        if grads is None:
+            grads = _grads_of(params)
         types = list(map(type, grads))
         if layout is None or types != layout.types:
             layout = self._layout = self._make_layout(params, grads, types)
@@ -694,6 +730,8 @@ class Kept:
         )
         holders = [*map(_MODULES, modules), *map(_PARAMETERS, modules)]
         self._empty_holders = [holder for holder in holders if not holder]
+        self._full_holders = [holder for holder in holders if holder]
+        self._checks: ModuleType | None = None  # decided once the roles' dictionaries are known
         # live: made once, read each call; the end marker last (_same_stream)
         self._held_views = [*(holder.values() for holder in holders if holder), (_END,)]
         self._held = list(self._current_holder_contents())
@@ -720,6 +758,10 @@ class Kept:
         ]
         self._roles = self._role_values()
         self.generation = role_generation()
+        exact = all(type(held) is dict for held in chain(holders, attributes))
+        self._checks = steady_checks() if exact else None
+        """The compiled checks (:mod:`~pgregistry.grad_stats._compiled`) where built and every
+        dictionary checked is an exact ``dict`` (whose order is its entries'), else ``None``."""
 
     def plan_params(self, source: Source) -> list[torch.Tensor] | None:
         """The parameters of ``source`` in plan order if their set is the plan's, else ``None``."""
@@ -728,9 +770,14 @@ class Kept:
                 return None
             if not _same_objects(source.chunks[1:], list(map(operator.call, self._chunk_refs))):
                 return None
-            same = _all_empty(self._empty_holders) and _same_stream(
-                self._current_holder_contents(), self._held
-            )
+            if self._checks is not None:
+                same = self._checks.same_holders(
+                    self._empty_holders, self._full_holders, self._held
+                )
+            else:
+                same = _all_empty(self._empty_holders) and _same_stream(
+                    self._current_holder_contents(), self._held
+                )
             return self.params if same else None
         tensors = source.tensors
         if tensors is None or not _same_objects(
@@ -775,6 +822,11 @@ class Kept:
         Parameters without attributes then still have none (:func:`_all_empty`), those whose
         attributes held no role still hold none (FSDP2 marks its parameters with ``_is_param``), and
         the roles of the others are equal."""
+        if self._checks is not None:
+            same: bool = self._checks.same_roles(
+                self._bare, self._roleless, self._roled_blocks, ROLE_KEYS, self._roles
+            )
+            return same
         return (
             _all_empty(self._bare)
             and all(map(_NO_ROLE, self._roleless))

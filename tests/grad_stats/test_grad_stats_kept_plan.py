@@ -23,11 +23,24 @@ from torch import nn
 
 from pgregistry import ParallelLayout, ProcessGroupCollection, registry
 from pgregistry.collection import FIELD_NAMES
+from pgregistry.grad_stats import _plan as plans
 from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm, grad_norm_and_zeros
+from pgregistry.grad_stats._compiled import steady_checks as compiled_checks
 from pgregistry.params import mark_tensor_parallel
 from pgregistry.testing import run_world
 
 OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def steady_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: with the compiled steady-state checks (pgregistry/grad_stats/_compiled.py) and with the Python
+    ones, which run wherever those cannot be built. Each must see every way a plan goes stale."""
+    if request.param == "python":
+        monkeypatch.setattr(plans, "steady_checks", lambda: None)
+    elif compiled_checks() is None:
+        pytest.skip("the compiled checks are not built here (PGREGISTRY_COMPILED_CHECKS, or no compiler or ninja)")
+    return str(request.param)
 
 
 def _fill(tensor: torch.Tensor, seed: int) -> torch.Tensor:

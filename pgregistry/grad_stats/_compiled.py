@@ -1,0 +1,150 @@
+"""The kept plan's steady-state checks compiled (``_steady_checks.cpp``), built once per machine.
+
+Why: at 20,000 parameters a steady-state call is bound by its host work, and the checks that keep a
+plan sound (the parameter set, the roles, each grad the one planned for at its address) cost 1.9x
+the host floor in Python, each a C-speed ``map`` that still makes and drops a Python reference per
+object (``docs/performance.md``). One compiled pass reads the same objects without that traffic,
+and reads each grad as autograd holds it (no Python attribute lookup). The Python checks in
+:mod:`pgregistry.grad_stats._plan` stay: they run wherever this cannot be built, and tests hold the
+two to the same answers.
+
+Built with torch's own C++ extension builder (a C++ compiler and ``ninja``, ``pip install
+pgregistry[compiled]``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under
+``~/.cache/torch_extensions``): about 25 s the first time on a machine, a few milliseconds after.
+Ranks of one machine building at once wait for one build (torch locks the build folder).
+
+``PGREGISTRY_COMPILED_CHECKS`` chooses: ``auto`` (unset: build where a compiler and ninja are, else
+the Python checks, with a warning saying why), ``off`` (the Python checks), ``required`` (raise
+where it cannot be built). A build that works but answers a probe wrongly raises in every mode: a
+check that answers wrongly must not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import operator
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Final
+
+__all__ = ["ENV", "steady_checks"]
+
+ENV: Final = "PGREGISTRY_COMPILED_CHECKS"
+_MODES: Final = ("auto", "off", "required")
+_SOURCE: Final = Path(__file__).with_name("_steady_checks.cpp")
+
+
+def _mode() -> str:
+    """The mode :data:`ENV` asks for (``auto`` where unset), refused by name where unknown."""
+    mode = os.environ.get(ENV, "auto") or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(_MODES)}")
+    return mode
+
+
+@functools.cache
+def steady_checks() -> ModuleType | None:
+    """The compiled checks, built and probed once per process, or ``None`` (the Python checks).
+
+    ``None`` where :data:`ENV` is ``off``, or where the build fails under ``auto`` (a warning names
+    the error); the build's error where it is ``required``. ``RuntimeError`` where the built module
+    answers the probe wrongly."""
+    mode = _mode()
+    if mode == "off":
+        return None
+    try:
+        module = _build()
+    except Exception as error:  # no compiler, no ninja, no headers: the Python checks, said so
+        if mode == "required":
+            raise RuntimeError(
+                f"{ENV}=required, but pgregistry's compiled checks could not be built: {error!r}; "
+                "install a C++ compiler and ninja (pip install pgregistry[compiled]), or unset it"
+            ) from error
+        from pgregistry._runtime.logger import get_logger
+
+        get_logger(__name__).warning(
+            "compiled_checks_unavailable",
+            error=repr(error),
+            fix=f"install a C++ compiler and ninja (pip install pgregistry[compiled]); {ENV}=off "
+            "chooses the Python checks without trying",
+        )
+        return None
+    _probe(module)
+    return module
+
+
+def _build() -> ModuleType:
+    """Build (or load from torch's extension cache) :data:`_SOURCE`.
+
+    Named by a hash of the source and torch's version: two copies of pgregistry that differ (a
+    newer release, a planted bug in ``scripts/mutants.py``'s copy) or two torches never share a
+    build, so none loads what another built."""
+    import torch
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    with _ninja_on_path():
+        return cpp_extension.load(
+            name=f"pgregistry_steady_checks_{digest}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """Put the ``ninja`` of this environment on ``PATH`` for the build, where ``PATH`` lacks one.
+
+    torch's builder runs ``ninja`` from ``PATH``; a virtual environment that was not activated has
+    it in its own ``bin`` only. ``PATH`` is restored after."""
+    old = os.environ.get("PATH")
+    folder = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=folder) is not None:
+        os.environ["PATH"] = os.pathsep.join(filter(None, [folder, old]))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
+
+def _probe(module: ModuleType) -> None:
+    """Ask each check questions of known answers; ``RuntimeError`` naming any answered wrongly."""
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    grad = param.grad = torch.ones(2)
+    planned = torch.tensor([[grad._cdata, grad.data_ptr()]], dtype=torch.int64)
+    moved = torch.tensor([[grad._cdata, grad.data_ptr() + 4]], dtype=torch.int64)
+    held = {"a": param}
+    end = object()
+    answers = {
+        "planned_pieces (the planned grad)": _same_list(
+            module.planned_pieces([param], planned), [grad]
+        ),
+        "planned_pieces (a grad moved)": module.planned_pieces([param], moved) is None,
+        "same_holders (the same)": module.same_holders([{}], [held], [param, end]),
+        "same_holders (one more)": not module.same_holders([{}], [held], [end]),
+        "same_roles (the same)": module.same_roles([{}], [{}], [[{"k": 1}]], ("k",), [[1]]),
+        "same_roles (another value)": not module.same_roles([], [], [[{"k": 1}]], ("k",), [[2]]),
+    }
+    wrong = [question for question, right in answers.items() if not right]
+    if wrong:
+        raise RuntimeError(
+            f"pgregistry's compiled checks answered wrongly: {', '.join(wrong)}; set {ENV}=off "
+            "and report it"
+        )
+
+
+def _same_list(got: object, want: list[object]) -> bool:
+    return isinstance(got, list) and len(got) == len(want) and all(map(operator.is_, got, want))

@@ -1,0 +1,161 @@
+// The kept plan's steady-state checks in one compiled pass each (pgregistry/grad_stats/_compiled.py
+// builds this file and says why; _plan.py holds the same checks in Python, which these must equal).
+//
+// Each reads only what its Python twin reads and answers what it answers; none changes anything. A
+// Python error raised by an object's __eq__ (the roles check) propagates as it would in Python.
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace py = pybind11;
+
+namespace {
+
+// Whether every dictionary of `dicts` is empty.
+bool all_empty(const py::list& dicts) {
+  for (const py::handle dict : dicts) {
+    if (PyDict_GET_SIZE(dict.ptr()) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The pieces (each parameter's grad, None skipped) when every parameter's grad is the one planned:
+// the same tensor (TensorImpl, one-to-one with its Python object while both live) at the planned
+// address, and no grad where none was. `planned` is a contiguous int64 CPU tensor of one row a
+// parameter: the grad's TensorImpl address (0 for none) and its data address. None where any
+// differs, or where a parameter is not a tensor (the Python check then decides).
+py::object planned_pieces(const py::list& params, const at::Tensor& planned) {
+  const Py_ssize_t count = PyList_GET_SIZE(params.ptr());
+  if (planned.dim() != 2 || planned.size(0) != count || planned.size(1) != 2 ||
+      planned.scalar_type() != at::kLong || !planned.is_contiguous() || !planned.is_cpu()) {
+    throw py::value_error("planned must be a contiguous int64 CPU tensor of one row a parameter");
+  }
+  const int64_t* rows = planned.const_data_ptr<int64_t>();
+  py::list pieces;
+  for (Py_ssize_t index = 0; index < count; ++index) {
+    PyObject* param = PyList_GET_ITEM(params.ptr(), index);
+    if (!THPVariable_Check(param)) {
+      return py::none();
+    }
+    const at::Tensor& grad = THPVariable_Unpack(param).grad();
+    const int64_t impl = rows[2 * index];
+    if (!grad.defined()) {
+      if (impl != 0) {
+        return py::none();
+      }
+      continue;
+    }
+    if (reinterpret_cast<int64_t>(grad.unsafeGetTensorImpl()) != impl || !grad.has_storage() ||
+        reinterpret_cast<int64_t>(grad.const_data_ptr()) != rows[2 * index + 1]) {
+      return py::none();
+    }
+    pieces.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
+  }
+  return pieces;
+}
+
+// Whether every dictionary of `empty` is still empty and the values of `dicts`, in order, are the
+// objects of `held` but its last, in order and in number (identity); `held`'s last item is the
+// end marker of the Python check's stream (_plan._END), not compared. Every dictionary is an exact
+// dict (the caller checks when it holds them): its order is its entries' order.
+bool same_holders(const py::list& empty, const py::list& dicts, const py::list& held) {
+  if (!all_empty(empty)) {
+    return false;
+  }
+  const Py_ssize_t count = PyList_GET_SIZE(held.ptr()) - 1;
+  Py_ssize_t at = 0;
+  for (const py::handle dict : dicts) {
+    Py_ssize_t position = 0;
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    while (PyDict_Next(dict.ptr(), &position, &key, &value)) {
+      if (at >= count || value != PyList_GET_ITEM(held.ptr(), at)) {
+        return false;
+      }
+      ++at;
+    }
+  }
+  return at == count;
+}
+
+// Whether the parameters' attribute dictionaries hold the roles they held: those of `bare` still
+// empty, those of `roleless` still without any of `keys`, and, for each block of `blocks` and each
+// of `keys` in turn, the block's dictionaries giving values equal (identity, else ==) to those of
+// the next list of `held` (None for a key a dictionary lacks), as _plan.Kept._role_values lays
+// them out. Every dictionary is an exact dict.
+bool same_roles(
+    const py::list& bare,
+    const py::list& roleless,
+    const py::list& blocks,
+    const py::tuple& keys,
+    const py::list& held) {
+  if (!all_empty(bare)) {
+    return false;
+  }
+  for (const py::handle dict : roleless) {
+    for (const py::handle key : keys) {
+      const int found = PyDict_Contains(dict.ptr(), key.ptr());
+      if (found < 0) {
+        throw py::error_already_set();
+      }
+      if (found) {
+        return false;
+      }
+    }
+  }
+  if (PyList_GET_SIZE(held.ptr()) != PyList_GET_SIZE(blocks.ptr()) * py::len(keys)) {
+    return false;
+  }
+  Py_ssize_t list_at = 0;
+  for (const py::handle block : blocks) {
+    for (const py::handle key : keys) {
+      PyObject* values = PyList_GET_ITEM(held.ptr(), list_at++);
+      if (!PyList_Check(values) || PyList_GET_SIZE(values) != PyList_GET_SIZE(block.ptr())) {
+        return false;
+      }
+      Py_ssize_t at = 0;
+      for (const py::handle dict : block) {
+        PyObject* value = PyDict_GetItemWithError(dict.ptr(), key.ptr());
+        if (value == nullptr) {
+          if (PyErr_Occurred()) {
+            throw py::error_already_set();
+          }
+          value = Py_None;
+        }
+        PyObject* was = PyList_GET_ITEM(values, at++);
+        if (value == was) {
+          continue;
+        }
+        Py_INCREF(value);  // __eq__ may drop the dictionary's reference
+        const int equal = PyObject_RichCompareBool(value, was, Py_EQ);
+        Py_DECREF(value);
+        if (equal < 0) {
+          throw py::error_already_set();
+        }
+        if (!equal) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("planned_pieces", &planned_pieces, py::arg("params"), py::arg("planned"));
+  module.def("same_holders", &same_holders, py::arg("empty"), py::arg("dicts"), py::arg("held"));
+  module.def(
+      "same_roles",
+      &same_roles,
+      py::arg("bare"),
+      py::arg("roleless"),
+      py::arg("blocks"),
+      py::arg("keys"),
+      py::arg("held"));
+}

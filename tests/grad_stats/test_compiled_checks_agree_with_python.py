@@ -1,0 +1,164 @@
+"""The compiled steady-state checks (``pgregistry/grad_stats/_compiled.py``) answer as the Python ones do.
+
+Each case makes a kept plan of a small model, changes one thing a plan depends on (or nothing, or something it does
+not depend on), then asks both the compiled checks and the Python ones, on the same kept plan, whether the parameter
+set, the roles and the planned grads are still those the plan was made for. The expected answers are written per
+case from what changed; both checks must give them. ``tests/grad_stats/test_grad_stats_kept_plan.py`` runs the
+whole path under each of the two against float64 oracles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pgregistry import ProcessGroupCollection
+from pgregistry.collection import FIELD_NAMES
+from pgregistry.grad_stats import _plan as plans
+from pgregistry.grad_stats import grad_norm
+from pgregistry.grad_stats._compiled import steady_checks
+
+OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
+
+pytestmark = pytest.mark.skipif(
+    steady_checks() is None, reason="the compiled checks are not built here (PGREGISTRY_COMPILED_CHECKS or no compiler)"
+)
+
+
+def _model() -> nn.Module:
+    model = nn.Module()
+    model.a = nn.Linear(4, 3)
+    model.b = nn.Linear(3, 2)
+    model.a.weight.tensor_model_parallel = True  # a role
+    model.a.bias.note = "no role"  # attributes, none a role
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    return model
+
+
+def _set_grad_to_none(model: nn.Module) -> None:
+    model.b.bias.grad = None
+
+
+def _repoint_grad(model: nn.Module) -> None:
+    grad = model.b.weight.grad
+    assert grad is not None
+    grad.data = torch.ones(3 * 2).reshape(2, 3)  # the same tensor object at other storage
+
+
+class _RaisesOnCompare:
+    def __eq__(self, other: object) -> bool:
+        raise ArithmeticError("compared")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+CASES: dict[str, tuple[Callable[[nn.Module], Any], tuple[bool, bool, bool]]] = {
+    # case: (change, (same parameter set, same roles, the planned grads))
+    "nothing changed": (lambda model: None, (True, True, True)),
+    "a parameter replaced": (
+        lambda model: model.a._parameters.__setitem__("weight", nn.Parameter(torch.ones(3, 4))),
+        (False, True, True),
+    ),
+    "the last parameter deleted": (lambda model: delattr(model.b, "bias"), (False, True, True)),
+    "a parameter added to a module that held none": (
+        lambda model: model.register_parameter("extra", nn.Parameter(torch.ones(1))),
+        (False, True, True),
+    ),
+    "a submodule added to a leaf": (lambda model: model.b.add_module("c", nn.Linear(1, 1)), (False, True, True)),
+    "a role on a bare parameter": (lambda model: setattr(model.b.weight, "shared", True), (True, False, True)),
+    "a role on a parameter without one": (lambda model: setattr(model.a.bias, "allreduce", False), (True, False, True)),
+    "a role's value changed": (
+        lambda model: setattr(model.a.weight, "tensor_model_parallel", False),
+        (True, False, True),
+    ),
+    "a role's value equal, another object": (
+        lambda model: setattr(model.a.weight, "tensor_model_parallel", 1),
+        (True, True, True),
+    ),
+    "a role removed": (lambda model: delattr(model.a.weight, "tensor_model_parallel"), (True, False, True)),
+    "an attribute that is no role": (lambda model: setattr(model.a.bias, "other", 1), (True, True, True)),
+    "a grad replaced": (lambda model: setattr(model.a.bias, "grad", torch.ones(3)), (True, True, False)),
+    "a grad set to None": (_set_grad_to_none, (True, True, False)),
+    "a grad re-pointed at other storage": (_repoint_grad, (True, True, False)),
+}
+
+
+def _kept(model: nn.Module) -> plans.Kept:
+    grad_norm(model, OFF)
+    grad_norm(model, OFF)  # the plan made, and its grads planned for
+    kept = plans._KEPT[model]
+    assert kept._checks is not None
+    return kept
+
+
+def _compiled_answers(kept: plans.Kept) -> tuple[bool, bool, bool]:
+    layout = kept.plan._layout
+    assert layout is not None and layout.planned_for is not None and layout.planned_for.checks is not None
+    holders = kept._checks.same_holders(kept._empty_holders, kept._full_holders, kept._held)
+    roles = kept._checks.same_roles(kept._bare, kept._roleless, kept._roled_blocks, plans.ROLE_KEYS, kept._roles)
+    pieces, _ = layout.planned_for.pieces_from(kept.params, layout.take_plain)
+    return holders, roles, pieces is not None
+
+
+def _python_answers(kept: plans.Kept) -> tuple[bool, bool, bool]:
+    layout = kept.plan._layout
+    assert layout is not None and layout.planned_for is not None
+    holders = plans._all_empty(kept._empty_holders) and plans._same_stream(kept._current_holder_contents(), kept._held)
+    roles = (
+        plans._all_empty(kept._bare)
+        and all(map(plans._NO_ROLE, kept._roleless))
+        and kept._role_values() == kept._roles
+    )
+    pieces = layout.planned_for.pieces_of(plans._grads_of(kept.params), layout.take_plain)
+    return holders, roles, pieces is not None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_compiled_checks_answer_as_the_python_ones(case: str) -> None:
+    change, expected = CASES[case]
+    model = _model()
+    kept = _kept(model)
+    change(model)
+    assert _python_answers(kept) == expected, "the Python checks (the case's expectation is wrong?)"
+    assert _compiled_answers(kept) == expected
+
+
+def test_the_planned_pieces_are_the_grads_themselves() -> None:
+    model = _model()
+    kept = _kept(model)
+    layout = kept.plan._layout
+    assert layout is not None and layout.planned_for is not None
+    pieces, _ = layout.planned_for.pieces_from(kept.params, layout.take_plain)
+    assert pieces is not None
+    assert [id(piece) for piece in pieces] == [id(param.grad) for param in kept.params]
+
+
+def test_an_error_raised_comparing_a_role_is_raised_as_in_python() -> None:
+    model = _model()
+    kept = _kept(model)
+    model.a.weight.tensor_model_parallel = _RaisesOnCompare()
+    with pytest.raises(ArithmeticError, match="compared"):
+        kept._role_values() == kept._roles  # noqa: B015 - the Python check's comparison
+    with pytest.raises(ArithmeticError, match="compared"):
+        kept._same_roles()
+
+
+def test_a_model_holding_a_dictionary_of_another_type_is_checked_in_python() -> None:
+    """The compiled check walks a dictionary's entries in their order, which is an exact ``dict``'s iteration order
+    only: a module whose parameters sit in another mapping type is checked in Python."""
+
+    class Ordered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2))
+            self._parameters = type("Parameters", (dict,), {})(self._parameters)
+
+    model = Ordered()
+    model.weight.grad = torch.ones(2)
+    grad_norm(model, OFF)
+    assert plans._KEPT[model]._checks is None
