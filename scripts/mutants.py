@@ -2537,7 +2537,7 @@ MUTANTS: tuple[Mutant, ...] = (
         find="!grad.has_storage() ||\n        reinterpret_cast<int64_t>(grad.const_data_ptr()) != rows[2 * index + 1]",
         replace="!grad.has_storage()",
         tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
-               "test_the_compiled_checks_answer_as_the_python_ones[a grad re-pointed at other storage]",
+               "test_the_compiled_checks_answer_as_the_python_ones[a-grad-re-pointed-at-other-storage]",
                "tests/grad_stats/test_grad_stats_kept_plan.py::"
                "test_a_grad_moved_in_place_and_requires_grad_toggled_are_seen[compiled]"),
     ),
@@ -2549,7 +2549,7 @@ MUTANTS: tuple[Mutant, ...] = (
         find="  return at == count;\n}",
         replace="  return true;\n}",
         tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
-               "test_the_compiled_checks_answer_as_the_python_ones[the last parameter deleted]",
+               "test_the_compiled_checks_answer_as_the_python_ones[the-last-parameter-deleted]",
                "tests/grad_stats/test_grad_stats_kept_plan.py::"
                "test_a_parameter_removed_or_added_at_the_end_of_the_parameter_set_is_seen[compiled]"),
     ),
@@ -2561,7 +2561,7 @@ MUTANTS: tuple[Mutant, ...] = (
         find="  for (const py::handle dict : roleless) {",
         replace="  for (const py::handle dict : py::list()) {",
         tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
-               "test_the_compiled_checks_answer_as_the_python_ones[a role on a parameter without one]",
+               "test_the_compiled_checks_answer_as_the_python_ones[a-role-on-a-parameter-without-one]",
                "tests/grad_stats/test_grad_stats_kept_plan.py::"
                "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before[compiled]"),
     ),

@@ -26,12 +26,13 @@ def _fresh_fallback_warnings() -> Iterator[None]:
     forget_fallback_warnings()
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build pgregistry's compiled checks once, before any test (``pgregistry/grad_stats/_compiled.py``).
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_checks_built() -> None:
+    """Build pgregistry's compiled checks once, before the first test's body (``pgregistry/grad_stats/_compiled.py``).
 
-    A first build takes about 25 s (longer on a loaded machine): made inside a test, it would eat that test's
-    deadline (a world's 60 s). ``PGREGISTRY_COMPILED_CHECKS`` decides as it does for users (``make test`` sets
-    ``required``: the suite runs the checks users get, and a machine that cannot build them fails here, by name)."""
+    A first build takes about 25 s (longer on a loaded machine): made inside a test's world, it would eat that world's
+    deadline. ``PGREGISTRY_COMPILED_CHECKS`` decides as it does for users (``make test`` sets ``required``: the suite
+    runs the checks users get). A build that fails there, or answers its probe wrongly, fails every test, by name."""
     from pgregistry.grad_stats._compiled import steady_checks
 
     steady_checks()

@@ -118,7 +118,7 @@ def _python_answers(kept: plans.Kept) -> tuple[bool, bool, bool]:
     return holders, roles, pieces is not None
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES), ids=[case.replace(" ", "-") for case in CASES])
 def test_the_compiled_checks_answer_as_the_python_ones(case: str) -> None:
     change, expected = CASES[case]
     model = _model()
