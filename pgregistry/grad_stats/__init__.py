@@ -16,6 +16,8 @@ A global grad statistic must count each distinct piece of the model exactly once
   group;
 * :mod:`~pgregistry.grad_stats._plan`: a model's classification, kept between calls while it cannot
   be stale;
+* :mod:`~pgregistry.grad_stats._compiled`: that plan's steady-state checks compiled, built once per
+  machine (the Python checks run where they cannot be built);
 * :mod:`~pgregistry.grad_stats._devices`: the device a statistic is computed and reduced on;
 * :mod:`~pgregistry.grad_stats._arguments`: the checks of ``max_norm`` and ``norm_type``, one set
   for every entry point;

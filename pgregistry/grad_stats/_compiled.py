@@ -40,7 +40,7 @@ _MODES: Final = ("auto", "off", "required")
 _SOURCE: Final = Path(__file__).with_name("_steady_checks.cpp")
 
 
-def _mode() -> str:
+def _chosen_mode() -> str:
     """The mode :data:`ENV` asks for (``auto`` where unset), refused by name where unknown."""
     mode = os.environ.get(ENV, "auto") or "auto"
     if mode not in _MODES:
@@ -55,7 +55,7 @@ def steady_checks() -> ModuleType | None:
     ``None`` where :data:`ENV` is ``off``, or where the build fails under ``auto`` (a warning names
     the error); the build's error where it is ``required``. ``RuntimeError`` where the built module
     answers the probe wrongly."""
-    mode = _mode()
+    mode = _chosen_mode()
     if mode == "off":
         return None
     try:
@@ -75,7 +75,7 @@ def steady_checks() -> ModuleType | None:
             "chooses the Python checks without trying",
         )
         return None
-    _probe(module)
+    _require_right_answers(module)
     return module
 
 
@@ -118,7 +118,7 @@ def _ninja_on_path() -> Iterator[None]:
             os.environ["PATH"] = old
 
 
-def _probe(module: ModuleType) -> None:
+def _require_right_answers(module: ModuleType) -> None:
     """Ask each check questions of known answers; ``RuntimeError`` naming any answered wrongly."""
     import torch
 

@@ -257,13 +257,14 @@ class _Planned:
     def pieces_from(
         self, params: Sequence[torch.Tensor], take_plain: Callable[[Sequence[Any]], list[Any]]
     ) -> tuple[list[Any] | None, list[Any] | None]:
-        """The pieces of the grads of ``params`` when they are the very grads planned for (else
-        ``None``), and the grads where this read them (else ``None``), so a miss reads them once.
+        """The pieces if the grads of ``params`` are the very grads planned for; the grads read.
 
-        In one compiled pass where built (:attr:`rows`): deaths first, as :meth:`pieces_of` does,
-        since while none is noted every planned grad lives, so its tensor's address names it alone
-        and a grad at that address is the planned object; then each grad, read as autograd holds it,
-        compared with its row. Else :meth:`pieces_of` on the grads read here."""
+        The pieces are ``None`` where the grads are not those; the grads are ``None`` where this did
+        not read them as a list (so a miss reads them once). In one compiled pass where built
+        (:attr:`rows`): deaths first, as :meth:`pieces_of` does, since while none is noted every
+        planned grad lives, so its tensor's address names it alone and a grad at that address is
+        the planned object; then each grad, read as autograd holds it, compared with its row. Else
+        :meth:`pieces_of` on the grads read here."""
         if self.checks is None:
             grads = _grads_of(params)
             return self.pieces_of(grads, take_plain), grads

@@ -24,9 +24,12 @@ from pgregistry.grad_stats._compiled import steady_checks
 
 OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 
-pytestmark = pytest.mark.skipif(
-    steady_checks() is None, reason="the compiled checks are not built here (PGREGISTRY_COMPILED_CHECKS or no compiler)"
-)
+
+
+@pytest.fixture(autouse=True)
+def _compiled_checks_built() -> None:
+    if steady_checks() is None:
+        pytest.skip("the compiled checks are not built here (PGREGISTRY_COMPILED_CHECKS, or no compiler or ninja)")
 
 
 def _model() -> nn.Module:
