@@ -178,6 +178,12 @@ def resolve_megatron_collection(
 
     Returns:
         The collection given, or Megatron-Core's.
+
+    Example:
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> pg = ProcessGroupCollection(tp=None)
+        >>> resolve_megatron_collection(pg, owner="my_layer", fields=["tp"]) is pg
+        True
     """
     if pg_collection is not None:
         return pg_collection
@@ -206,5 +212,11 @@ def resolve_collection(
         RuntimeError: no collection given and no global grid.
         TypeError: ``pg_collection`` neither a collection nor ``None``.
         ValueError: a collection this rank is not a member of, or destroyed.
+
+    Example:
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> pg = ProcessGroupCollection(tp=None)
+        >>> resolve_collection(pg, owner="my_layer") is pg
+        True
     """
     return resolve_pg_collection(pg_collection, owner=owner)
