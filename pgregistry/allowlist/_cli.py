@@ -40,7 +40,7 @@ from pgregistry._source.files import (
 )
 from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
 from pgregistry._source.scanner import FileResult
-from pgregistry._source.storage import StorageError, exclusive_lock
+from pgregistry._source.storage import StorageError, exclusive_lock, file_to_rewrite
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist._megatron_list import match_megatron_list, parse_megatron_list
 from pgregistry.allowlist._ratchet import (
@@ -49,7 +49,6 @@ from pgregistry.allowlist._ratchet import (
     Comparison,
     FutureAllowlistError,
     compare_counts,
-    file_to_rewrite,
     read_bytes,
 )
 from pgregistry.allowlist._report import (
@@ -287,7 +286,7 @@ def run_action(args: argparse.Namespace) -> int:
     if args.allowlist_action in ("update", "import"):
         try:
             rewritten = file_to_rewrite(allowlist_path, settings.root)
-        except AllowlistError as error:
+        except StorageError as error:
             return _print_error(str(error), fmt)
         return _update_allowlist(
             args, results, is_judged, rewritten, name, partial=bool(args.paths or unjudged)
