@@ -1,4 +1,4 @@
-"""``pgregistry allowlist check|update|stats``: the ratchet on reads of global process-group state.
+"""``pgregistry allowlist check|update|stats|import``: the ratchet on global process-group reads.
 
 - ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no
   longer needs (the list may only shrink); it prints each with its file:line and the fix. With
@@ -6,6 +6,8 @@
   not a failure.
 - ``update`` rewrites the allowlist from the scan (sorted, byte-identical when nothing changed).
 - ``stats`` prints counts by accessor, file and scope.
+- ``import --from LIST`` writes the allowlist from Megatron-LM's line-keyed list, each entry matched
+  to the read on its line of today's tree (exit 2, nothing written, when one matches none).
 
 Exit 2 for usage errors, bad settings, a malformed or wrongly-versioned allowlist, and source files
 that do not parse. Settings come from ``[tool.pgregistry.allowlist]`` in the nearest
