@@ -92,6 +92,20 @@ def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str)
 
         # was parallel_state.get_tensor_model_parallel_src_rank()
         src = pg_read(pg_collection, "tp", "src_rank")
+
+    An axis that is off is this rank alone; a field this rank is in no group of refuses all but
+    ``group``:
+
+        >>> from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection
+        >>> pp_off = ProcessGroupCollection(pp=None)
+        >>> [pg_read(pp_off, "pp", kind) for kind in ("rank", "size", "first_stage", "last_stage")]
+        [0, 1, True, True]
+        >>> middle_stage = ProcessGroupCollection(embd=NOT_MEMBER)
+        >>> pg_read(middle_stage, "embd", "group") is NOT_MEMBER
+        True
+        >>> pg_read(middle_stage, "embd", "rank")
+        Traceback (most recent call last):
+        ValueError: ... but this rank belongs to no 'embd' group (NOT_MEMBER: ...
     """
     return _read_field(pg_collection, field, kind)
 
