@@ -326,6 +326,16 @@ def get_global_unique_param_name(
             experts (of ``param``'s family) do not number over the EP size, as
             :func:`named_global_parameters` refuses it (naming ``param`` alone answered a wrong
             expert index).
+
+    Example:
+        >>> import torch
+        >>> def chunk():  # two of a model's four layers: one of its two pipeline chunks
+        ...     layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        ...     return torch.nn.ModuleDict({"layers": layers})
+        >>> first, second = chunk(), chunk()
+        >>> weight = second.layers[0].weight
+        >>> get_global_unique_param_name([first, second], weight, layer_offsets=[0, 2])
+        'layers.2.weight'
     """
     namer = GlobalNamer.at_the_door(model_chunks, "get_global_unique_param_name", **options)
     for index, chunk in enumerate(namer.chunks):

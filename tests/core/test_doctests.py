@@ -5,7 +5,7 @@ set. Each module listed here must hold at least one example, so a module whose e
 dropped fails too. The examples of these modules are plain arithmetic (``pgregistry.rng`` imports
 torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are plain
 records; ``pgregistry.params`` marks a tensor made in the example), checks of a caller's argument
-(``pgregistry.mesh``, ``pgregistry.testing``), lookups on a one-layer model and collections
+(``pgregistry.mesh``, ``pgregistry.testing``), names or lookups on small models and collections
 assembled by hand (``pgregistry.attachments``, the grad statistics' groups and filters, the
 collection ``pgregistry.doors`` is given), a warning caught (``pgregistry.fallback``) or this
 process's state (``pgregistry.recovery``'s generation); the examples that need a world are code
@@ -26,6 +26,7 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.collection",
     "pgregistry.doors",
     "pgregistry.experts._keys",
+    "pgregistry.experts._names",
     "pgregistry.fallback",
     "pgregistry.grad_stats._filters",
     "pgregistry.layout",
