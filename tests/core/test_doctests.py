@@ -1,4 +1,4 @@
-"""The docstring examples that need no process group, device or model run and print what they show.
+"""The docstring examples that need no process group or device run and print what they show.
 
 A docstring example is documentation a reader copies: one that went stale would teach a wrong rank
 set. Each module listed here must hold at least one example, so a module whose examples were all
