@@ -315,6 +315,13 @@ def communicators_created() -> int:
 
     Returns:
         The count of those made by ``new_group`` or ``split_group`` (adopted ones left out).
+
+    Example::
+
+        build(layout)
+        made = communicators_created()
+        build(layout, name="again")  # the same rank sets: their communicators are reused
+        assert communicators_created() == made
     """
     return CACHE.created
 
