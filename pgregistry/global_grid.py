@@ -48,7 +48,7 @@ def initialize_global_grid(
     Example::
 
         initialize_global_grid(ParallelLayout(num_ranks=8, tp=2), timeout=60)  # on every rank
-        unmigrated_norm(model)  # reads global_collection(), with a ProcessGroupFallbackWarning
+        grad_norm(model)  # none given or attached: the global grid's, with the fallback warning
     """
     from pgregistry import registry
 
