@@ -25,13 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = [
-    "LOCK_TIMEOUT_S",
-    "StorageError",
-    "atomic_write",
-    "exclusive_lock",
-    "file_to_rewrite",
-]
+__all__ = ["LOCK_TIMEOUT_S", "StorageError", "atomic_write", "exclusive_lock", "file_to_rewrite"]
 
 #: How long to wait for another process's update before giving up (nothing may hang forever).
 LOCK_TIMEOUT_S = 120.0
