@@ -113,6 +113,7 @@ bench: setup
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/clip_verdict.py
 
 # Planted bugs (scripts/mutants.py): each applied to a copy of the repository, the tests listed for it must fail.
-# A few minutes; exit 1 when a mutant survives, 2 when the list went stale (docs/reliability.md, "Planted bugs").
+# One pytest run per mutant (scripts/mutants.py --only NAME runs those named); exit 1 when a mutant survives,
+# 2 when the list went stale (docs/reliability.md, "Planted bugs").
 mutants: setup
 	$(PY) scripts/mutants.py

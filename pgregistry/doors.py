@@ -92,6 +92,20 @@ def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str)
 
         # was parallel_state.get_tensor_model_parallel_src_rank()
         src = pg_read(pg_collection, "tp", "src_rank")
+
+    An axis that is off is this rank alone; a field this rank is in no group of refuses all but
+    ``group``:
+
+        >>> from pgregistry.collection import NOT_MEMBER, ProcessGroupCollection
+        >>> pp_off = ProcessGroupCollection(pp=None)
+        >>> [pg_read(pp_off, "pp", kind) for kind in ("rank", "size", "first_stage", "last_stage")]
+        [0, 1, True, True]
+        >>> middle_stage = ProcessGroupCollection(embd=NOT_MEMBER)
+        >>> pg_read(middle_stage, "embd", "group") is NOT_MEMBER
+        True
+        >>> pg_read(middle_stage, "embd", "rank")
+        Traceback (most recent call last):
+        ValueError: ... but this rank belongs to no 'embd' group (NOT_MEMBER: ...
     """
     return _read_field(pg_collection, field, kind)
 
@@ -178,6 +192,12 @@ def resolve_megatron_collection(
 
     Returns:
         The collection given, or Megatron-Core's.
+
+    Example:
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> pg = ProcessGroupCollection(tp=None)
+        >>> resolve_megatron_collection(pg, owner="my_layer", fields=["tp"]) is pg
+        True
     """
     if pg_collection is not None:
         return pg_collection
@@ -206,5 +226,11 @@ def resolve_collection(
         RuntimeError: no collection given and no global grid.
         TypeError: ``pg_collection`` neither a collection nor ``None``.
         ValueError: a collection this rank is not a member of, or destroyed.
+
+    Example:
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> pg = ProcessGroupCollection(tp=None)
+        >>> resolve_collection(pg, owner="my_layer") is pg
+        True
     """
     return resolve_pg_collection(pg_collection, owner=owner)

@@ -77,6 +77,14 @@ def warn_fallback(owner: str, argument: str) -> None:
         ProcessGroupFallbackWarning: under ``-W error::pgregistry.ProcessGroupFallbackWarning``.
         TypeError: ``owner`` or ``argument`` is no string (a list failed as unhashable only under
             default filters; ``None`` was printed as the owner).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_fallback("my_norm", "tp")
+        >>> print(caught[0].message)
+        my_norm was not given process group 'tp' and falls back to the global grid; pass a ...
     """
     for name, value, meaning in (
         ("owner", owner, "the entry point's name"),

@@ -44,6 +44,11 @@ def initialize_global_grid(
     Raises:
         RuntimeError: a global grid exists whose groups :func:`pgregistry.registry.destroy` has not
             destroyed.
+
+    Example::
+
+        initialize_global_grid(ParallelLayout(num_ranks=8, tp=2), timeout=60)  # on every rank
+        grad_norm(model)  # none given or attached: the global grid's, with the fallback warning
     """
     from pgregistry import registry
 

@@ -240,6 +240,12 @@ def mark_expert_replicated(param: T) -> T:
 
     Raises:
         TypeError: ``param`` not a tensor.
+
+    Example:
+        >>> import torch
+        >>> lora_a = mark_expert_replicated(torch.nn.Parameter(torch.zeros(4, 2)))
+        >>> param_roles(lora_a), is_expert_param(lora_a)
+        ({'allreduce': True}, False)
     """
     _require_tensor(param, "mark_expert_replicated")
     return _set_roles(param, allreduce=True)
@@ -283,6 +289,11 @@ def mark_gtp_sharded(param: T) -> T:
 
     Raises:
         TypeError: ``param`` not a tensor.
+
+    Example:
+        >>> import torch
+        >>> param_roles(mark_gtp_sharded(torch.nn.Parameter(torch.zeros(4, 2))))
+        {'is_gtp_weight_remat': True}
     """
     _require_tensor(param, "mark_gtp_sharded")
     return _set_roles(param, is_gtp_weight_remat=True)
@@ -679,5 +690,11 @@ def is_expert_module(module: nn.Module) -> bool:
 
     Returns:
         ``True`` when it was marked.
+
+    Example:
+        >>> import torch
+        >>> experts = mark_expert_module(torch.nn.Module())
+        >>> is_expert_module(experts), is_expert_module(torch.nn.Linear(2, 2))
+        (True, False)
     """
     return getattr(module, _EXPERT_MODULE_FLAG, False) is True

@@ -196,6 +196,10 @@ def generation() -> int:
 
     Returns:
         The generation, whose prefix the re-formed world's store keys are under.
+
+    Example:
+        >>> generation()  # no recovery in this process yet
+        0
     """
     return _generation
 
@@ -271,6 +275,7 @@ def recover(
             that has not called ``recover`` within ``wait`` seconds of this rank (more than the
             collective timeout, so a survivor stuck in a collective until it times out arrives in
             time).
+        wait: seconds to wait for the others to check in, and for each confirmation round.
         backend, timeout: for the new world and its groups (``backend`` defaults to the old
             world's).
 
@@ -288,6 +293,15 @@ def recover(
             different lost sets, or a loss that leaves no copy of some state (reload a checkpoint);
             before this rank checks in, a ``wait``, ``timeout`` or ``backend`` the new world could
             not use (``TypeError`` for one of the wrong type), so the old world is kept.
+
+    Example::
+
+        try:
+            step_once(model, optimizer, pg)  # the step's collectives, then commit(pg), then step
+            step += 1
+        except RuntimeError:  # a collective failed: a peer died or timed out
+            recovered = recover(pg, store, committed_step=step)  # on every survivor
+            pg = recovered.collection  # rebuild the optimizer and the data shards on it
     """
     import torch.distributed as dist
 

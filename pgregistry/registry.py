@@ -115,6 +115,13 @@ def build(
             not answer a roll call.
 
     All of these are raised on every rank alike.
+
+    Example::
+
+        layout = ParallelLayout(num_ranks=8, tp=2, ep=4, expt_tp=1)  # on every rank of 8
+        pg = build(layout, name="policy")
+        group_size(pg.tp), group_size(pg.dp)  # (2, 4)
+        build(layout, name="policy") is pg  # True: built once, the same collection again
     """
     require_distributed("pgregistry.build")
     options, described, fault = check_group_options(backend, timeout)
@@ -308,6 +315,13 @@ def communicators_created() -> int:
 
     Returns:
         The count of those made by ``new_group`` or ``split_group`` (adopted ones left out).
+
+    Example::
+
+        build(layout)
+        made = communicators_created()
+        build(layout, name="again")  # the same rank sets: their communicators are reused
+        assert communicators_created() == made
     """
     return CACHE.created
 

@@ -1827,7 +1827,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="allowlist-link-replaced-by-a-copy",
         bug="allowlist update renames the new list over a symbolic link: the link becomes a copy, the file it "
         "named keeps the old list; a link out of the project is written through",
-        file="pgregistry/allowlist/_ratchet.py",
+        file="pgregistry/_source/storage.py",
         find="    if path.is_symlink():\n        target = Path(os.path.realpath(path))",
         replace="    if False:\n        target = Path(os.path.realpath(path))",
         tests=(

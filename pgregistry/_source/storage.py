@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LOCK_TIMEOUT_S", "StorageError", "atomic_write", "exclusive_lock"]
+__all__ = ["LOCK_TIMEOUT_S", "StorageError", "atomic_write", "exclusive_lock", "file_to_rewrite"]
 
 #: How long to wait for another process's update before giving up (nothing may hang forever).
 LOCK_TIMEOUT_S = 120.0
@@ -139,3 +139,26 @@ def exclusive_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None
         yield
     finally:
         os.close(handle)  # closing the descriptor releases the lock
+
+
+def file_to_rewrite(path: Path, root: Path) -> Path:
+    """The file an update of the allowlist at ``path`` rewrites: it, or the one a link there names.
+
+    A rename over a symbolic link would make it a regular file holding a copy, and leave the file
+    it named with the old list: the link stays, the file it names is rewritten. Only one of the
+    project at ``root`` (links resolved): :class:`StorageError` for a link to any other, which a
+    repository's link must not have an update write over (a full update replaces a file that is no
+    allowlist). A read-only one is refused too, as ``migrate --write`` refuses a read-only source:
+    the rename would replace it, even as root."""
+    target = path
+    if path.is_symlink():
+        target = Path(os.path.realpath(path))
+        if not target.is_relative_to(os.path.realpath(root)):
+            raise StorageError(
+                f"{path} is a link to {target}, outside the project {root}: an update writes only "
+                "the project's files; update that list from its own project, or put the file in "
+                "the link's place"
+            )
+    if target.is_file() and not (os.access(target, os.W_OK) and target.stat().st_mode & 0o222):
+        raise StorageError(f"{path}: read-only; make it writable to update it")
+    return target

@@ -2,11 +2,11 @@
 
 The allowlist only shrinks.
 
-``pgregistry allowlist check|update|stats`` scans Python sources with :mod:`ast` (never importing
-them, never importing torch) and compares what it finds with a committed allowlist keyed by file,
-enclosing scope and accessor, so edits that only move code do not disturb it. The scan, its settings
-and the files it covers are :mod:`pgregistry._source`'s (shared with ``pgregistry migrate``, which
-rewrites the same reads). The modules here:
+``pgregistry allowlist check|update|stats|import`` scans Python sources with :mod:`ast` (never
+importing them, never importing torch) and compares what it finds with a committed allowlist keyed
+by file, enclosing scope and accessor, so edits that only move code do not disturb it. The scan,
+its settings and the files it covers are :mod:`pgregistry._source`'s (shared with ``pgregistry
+migrate``, which rewrites the same reads). The modules here:
 
 - :mod:`~pgregistry.allowlist._ratchet`: the allowlist file and the comparison with a scan;
 - :mod:`~pgregistry.allowlist._moves`: stale and new entries paired as reads moved by a refactor;

@@ -1,4 +1,4 @@
-"""``pgregistry allowlist check|update|stats``: the ratchet on reads of global process-group state.
+"""``pgregistry allowlist check|update|stats|import``: the ratchet on global process-group reads.
 
 - ``check`` exits 1 when the scan finds a read the allowlist does not allow, or an entry the code no
   longer needs (the list may only shrink); it prints each with its file:line and the fix. With
@@ -6,6 +6,8 @@
   not a failure.
 - ``update`` rewrites the allowlist from the scan (sorted, byte-identical when nothing changed).
 - ``stats`` prints counts by accessor, file and scope.
+- ``import --from LIST`` writes the allowlist from Megatron-LM's line-keyed list, each entry matched
+  to the read on its line of today's tree (exit 2, nothing written, when one matches none).
 
 Exit 2 for usage errors, bad settings, a malformed or wrongly-versioned allowlist, and source files
 that do not parse. Settings come from ``[tool.pgregistry.allowlist]`` in the nearest
@@ -40,7 +42,7 @@ from pgregistry._source.files import (
 )
 from pgregistry._source.options import add_settings_options, path_argument, settings_from_options
 from pgregistry._source.scanner import FileResult
-from pgregistry._source.storage import StorageError, exclusive_lock
+from pgregistry._source.storage import StorageError, exclusive_lock, file_to_rewrite
 from pgregistry.allowlist._baseline import GitError, GitTree, base_limits, mark_added
 from pgregistry.allowlist._megatron_list import match_megatron_list, parse_megatron_list
 from pgregistry.allowlist._ratchet import (
@@ -49,7 +51,6 @@ from pgregistry.allowlist._ratchet import (
     Comparison,
     FutureAllowlistError,
     compare_counts,
-    file_to_rewrite,
     read_bytes,
 )
 from pgregistry.allowlist._report import (
@@ -287,7 +288,7 @@ def run_action(args: argparse.Namespace) -> int:
     if args.allowlist_action in ("update", "import"):
         try:
             rewritten = file_to_rewrite(allowlist_path, settings.root)
-        except AllowlistError as error:
+        except StorageError as error:
             return _print_error(str(error), fmt)
         return _update_allowlist(
             args, results, is_judged, rewritten, name, partial=bool(args.paths or unjudged)

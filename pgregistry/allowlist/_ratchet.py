@@ -20,7 +20,6 @@ new reads through.
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ __all__ = [
     "FutureAllowlistError",
     "Mismatch",
     "compare_counts",
-    "file_to_rewrite",
     "parse_json",
     "read_bytes",
 ]
@@ -61,29 +59,6 @@ class AllowlistError(ValueError):
 
 class FutureAllowlistError(AllowlistError):
     """The allowlist was written by a newer pgregistry: never rewrite it (losing its new fields)."""
-
-
-def file_to_rewrite(path: Path, root: Path) -> Path:
-    """The file an update of the allowlist at ``path`` rewrites: it, or the one a link there names.
-
-    A rename over a symbolic link would make it a regular file holding a copy, and leave the file
-    it named with the old list: the link stays, the file it names is rewritten. Only one of the
-    project at ``root`` (links resolved): :class:`AllowlistError` for a link to any other, which a
-    repository's link must not have an update write over (a full update replaces a file that is no
-    allowlist). A read-only one is refused too, as ``migrate --write`` refuses a read-only source:
-    the rename would replace it, even as root."""
-    target = path
-    if path.is_symlink():
-        target = Path(os.path.realpath(path))
-        if not target.is_relative_to(os.path.realpath(root)):
-            raise AllowlistError(
-                f"{path} is a link to {target}, outside the project {root}: an update writes only "
-                "the project's files; update that list from its own project, or put the file in "
-                "the link's place"
-            )
-    if target.is_file() and not (os.access(target, os.W_OK) and target.stat().st_mode & 0o222):
-        raise AllowlistError(f"{path}: read-only; make it writable to update it")
-    return target
 
 
 def read_bytes(path: Path) -> bytes | None:

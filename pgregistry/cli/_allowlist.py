@@ -1,4 +1,4 @@
-"""``pgregistry allowlist check|update|stats``: the ratchet's own command line.
+"""``pgregistry allowlist check|update|stats|import``: the ratchet's own command line.
 
 See :mod:`pgregistry.allowlist._cli`.
 

@@ -32,6 +32,7 @@ from pgregistry._source.options import (
     settings_arguments,
     settings_from_options,
 )
+from pgregistry._source.storage import StorageError, file_to_rewrite
 
 __all__ = ["add_command"]
 
@@ -144,7 +145,7 @@ def _allowlist_to_write(
     The one ``--allowlist`` names (``ConfigError`` when it does not exist: nothing is written then),
     else the configured one where it exists (a line on stderr when it does not). With ``--write``,
     one the update would refuse (no regular file, a link out of the project) is refused first
-    (``ConfigError``, ``AllowlistError``)."""
+    (``ConfigError``, ``StorageError``)."""
     allowlist = settings.resolve(settings.allowlist)
     kind = path_kind(allowlist)
     if args.write and kind not in (None, "a regular file"):
@@ -153,8 +154,6 @@ def _allowlist_to_write(
             "name the allowlist file (--allowlist), or move that out of its way"
         )
     if args.write:  # one the update refuses (a link out of the project) is refused before writing
-        from pgregistry.allowlist._ratchet import file_to_rewrite
-
         file_to_rewrite(allowlist, settings.root)
     if args.allowlist is not None:
         if args.write and not allowlist.is_file():
@@ -283,7 +282,7 @@ def _migrate_files(args: argparse.Namespace) -> int:
             helper=helper,
             progress=Progress(None if args.quiet else sys.stderr),
         )
-    except (ConfigError, PathError, ValueError, WriteError) as error:
+    except (ConfigError, PathError, StorageError, ValueError, WriteError) as error:
         return _print_error(str(error))
     if migration.failures:
         print(render_failures(migration.failures), end="", file=sys.stderr)

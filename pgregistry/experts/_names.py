@@ -8,10 +8,9 @@ equal ``named_parameters()`` names: existing checkpoints keep loading.
 from __future__ import annotations
 
 import functools
-import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, SupportsIndex, TypedDict
+from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 from pgregistry._runtime.integers import as_integer
 from pgregistry._runtime.resolve import normalise_model, resolve_pg_collection
@@ -327,6 +326,16 @@ def get_global_unique_param_name(
             experts (of ``param``'s family) do not number over the EP size, as
             :func:`named_global_parameters` refuses it (naming ``param`` alone answered a wrong
             expert index).
+
+    Example:
+        >>> import torch
+        >>> def chunk():  # two of a model's four layers: one of its two pipeline chunks
+        ...     layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        ...     return torch.nn.ModuleDict({"layers": layers})
+        >>> first, second = chunk(), chunk()
+        >>> weight = second.layers[0].weight
+        >>> get_global_unique_param_name([first, second], weight, layer_offsets=[0, 2])
+        'layers.2.weight'
     """
     namer = GlobalNamer.at_the_door(model_chunks, "get_global_unique_param_name", **options)
     for index, chunk in enumerate(namer.chunks):
@@ -352,10 +361,8 @@ def _expert_count(value: object, chunk_index: int) -> int:
     """A chunk's own expert count as an int; ``ValueError`` unless a positive integer.
 
     ``int()`` would truncate 8.5 to 8 without a word, and read ``True`` as one expert."""
-    count = 0
-    if isinstance(value, SupportsIndex) and not isinstance(value, bool):
-        count = operator.index(value)
-    if count < 1:
+    count = as_integer(value)
+    if count is None or count < 1:
         raise ValueError(
             f"num_experts of model chunk {chunk_index} must be a positive integer, got {value!r} "
             "(its num_experts or config.num_moe_experts): set it, or pass num_experts"

@@ -147,6 +147,12 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
 
     Returns:
         Whether its gradient is counted as far as sharing goes.
+
+    Example:
+        >>> import torch
+        >>> from pgregistry.params import mark_shared
+        >>> param_is_not_shared(torch.zeros(2)), param_is_not_shared(mark_shared(torch.zeros(2)))
+        (True, False)
     """
     return not getattr(param, "shared", False)
 
@@ -172,6 +178,13 @@ def param_is_not_tensor_parallel_duplicate(
         RuntimeError: no collection given and no global grid.
         TypeError: ``pg_collection`` neither a collection nor ``None``.
         ValueError: a collection this rank is not a member of, or destroyed.
+
+    Example:
+        >>> import torch
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> tp_off = ProcessGroupCollection(tp=None, expt_tp=None)  # this rank alone is rank 0
+        >>> param_is_not_tensor_parallel_duplicate(torch.zeros(2), tp_off)
+        True
     """
     collection = resolve_pg_collection(
         pg_collection, owner="param_is_not_tensor_parallel_duplicate", fallback=("tp", "expt_tp")
@@ -201,6 +214,13 @@ def param_is_not_gtp_duplicate(
         RuntimeError: no collection given and no global grid.
         TypeError: ``pg_collection`` neither a collection nor ``None``.
         ValueError: a collection this rank is not a member of, or destroyed.
+
+    Example:
+        >>> import torch
+        >>> from pgregistry.collection import ProcessGroupCollection
+        >>> gtp_off = ProcessGroupCollection(gtp_remat=None, expt_gtp_remat=None)
+        >>> param_is_not_gtp_duplicate(torch.zeros(2), gtp_off)
+        True
     """
     owner = "param_is_not_gtp_duplicate"
     collection = resolve_pg_collection(

@@ -1,13 +1,15 @@
-"""The docstring examples that need no process group, device or model run and print what they show.
+"""The docstring examples that need no process group or device run and print what they show.
 
 A docstring example is documentation a reader copies: one that went stale would teach a wrong rank
 set. Each module listed here must hold at least one example, so a module whose examples were all
 dropped fails too. The examples of these modules are plain arithmetic (``pgregistry.rng`` imports
 torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are plain
 records; ``pgregistry.params`` marks a tensor made in the example), checks of a caller's argument
-(``pgregistry.mesh``, ``pgregistry.testing``), or lookups on a one-layer model and collections
-assembled by hand (``pgregistry.attachments``, the grad statistics' groups); the examples that need
-a world are code blocks (``Example::``), not doctests.
+(``pgregistry.mesh``, ``pgregistry.testing``), names or lookups on small models and collections
+assembled by hand (``pgregistry.attachments``, the grad statistics' groups and filters, the
+collection ``pgregistry.doors`` is given), a warning caught (``pgregistry.fallback``) or this
+process's state (``pgregistry.recovery``'s generation); the examples that need a world are code
+blocks (``Example::``), not doctests.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.attachments",
     "pgregistry.audit",
     "pgregistry.collection",
+    "pgregistry.doors",
     "pgregistry.experts._keys",
+    "pgregistry.experts._names",
+    "pgregistry.fallback",
     "pgregistry.grad_stats._filters",
     "pgregistry.layout",
     "pgregistry.mesh",
     "pgregistry.params",
     "pgregistry.placement",
+    "pgregistry.recovery",
     "pgregistry.rng",
     "pgregistry.testing",
 )
