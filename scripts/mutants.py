@@ -2534,7 +2534,7 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the compiled steady-state check takes a grad re-pointed at other storage (set_, .data =) for the "
         "planned one: the read launches over memory the grad no longer holds",
         file="pgregistry/grad_stats/_steady_checks.cpp",
-        find="!grad.has_storage() ||\n        reinterpret_cast<int64_t>(grad.const_data_ptr()) != rows[2 * index + 1]",
+        find="!grad.has_storage() ||\n        reinterpret_cast<int64_t>(grad.data_ptr()) != rows[2 * index + 1]",
         replace="!grad.has_storage()",
         tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
                "test_the_compiled_checks_answer_as_the_python_ones[a-grad-re-pointed-at-other-storage]",
@@ -2564,6 +2564,16 @@ MUTANTS: tuple[Mutant, ...] = (
                "test_the_compiled_checks_answer_as_the_python_ones[a-role-on-a-parameter-without-one]",
                "tests/grad_stats/test_grad_stats_kept_plan.py::"
                "test_a_role_set_as_an_attribute_is_seen_whatever_the_parameter_held_before[compiled]"),
+    ),
+    Mutant(
+        name="compiled-facts-take-every-grad-for-contiguous",
+        bug="the compiled piece facts say every grad is contiguous: a grad restrided at its address keeps the "
+        "kernel's plan for contiguous memory",
+        file="pgregistry/grad_stats/_steady_checks.cpp",
+        find="py::bool_(tensor.is_contiguous())",
+        replace="py::bool_(true)",
+        tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
+               "test_the_compiled_piece_facts_are_the_python_ones[True]",),
     ),
 )
 

@@ -4,6 +4,9 @@
 // Each reads only what its Python twin reads and answers what it answers; none changes anything. A
 // Python error raised by an object's __eq__ (the roles check) propagates as it would in Python.
 
+#include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -50,7 +53,7 @@ py::object planned_pieces(const py::list& params, const at::Tensor& planned) {
       continue;
     }
     if (reinterpret_cast<int64_t>(grad.unsafeGetTensorImpl()) != impl || !grad.has_storage() ||
-        reinterpret_cast<int64_t>(grad.const_data_ptr()) != rows[2 * index + 1]) {
+        reinterpret_cast<int64_t>(grad.data_ptr()) != rows[2 * index + 1]) {
       return py::none();
     }
     pieces.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
@@ -145,10 +148,112 @@ bool same_roles(
   return true;
 }
 
+
+// Whether every item of `tensors` is a plain torch.Tensor (no subclass, whose __torch_function__
+// the Python reads would ask).
+bool all_plain_tensors(const py::list& tensors) {
+  for (const py::handle tensor : tensors) {
+    if (!THPVariable_CheckExact(tensor.ptr())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Each tensor's address, element count, dtype and (with `contiguity`) contiguity, one tensor after
+// another in one flat list: _plan._piece_facts's list, read without a Python call a fact. None
+// where a tensor is not a plain torch.Tensor (the Python reads then decide). A tensor without
+// storage raises RuntimeError, as its data_ptr() does.
+py::object piece_facts(const py::list& tensors, bool contiguity) {
+  if (!all_plain_tensors(tensors)) {
+    return py::none();
+  }
+  const Py_ssize_t width = contiguity ? 4 : 3;
+  PyObject* facts = PyList_New(PyList_GET_SIZE(tensors.ptr()) * width);
+  if (facts == nullptr) {
+    throw py::error_already_set();
+  }
+  py::list owned = py::reinterpret_steal<py::list>(facts);
+  Py_ssize_t at = 0;
+  for (const py::handle item : tensors) {
+    const at::Tensor& tensor = THPVariable_Unpack(item.ptr());
+    PyList_SET_ITEM(facts, at++, PyLong_FromVoidPtr(tensor.data_ptr()));
+    PyList_SET_ITEM(facts, at++, PyLong_FromLongLong(tensor.numel()));
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(tensor.scalar_type()));
+    Py_INCREF(dtype);
+    PyList_SET_ITEM(facts, at++, dtype);
+    if (contiguity) {
+      PyList_SET_ITEM(facts, at++, py::bool_(tensor.is_contiguous()).release().ptr());
+    }
+  }
+  for (Py_ssize_t index = 0; index < at; ++index) {
+    if (PyList_GET_ITEM(facts, index) == nullptr) {
+      throw py::error_already_set();
+    }
+  }
+  return owned;
+}
+
+// `tensor`'s shape as a torch.Size, made as torch makes one (a tuple of its type, of Python ints).
+py::object shape_of(const at::Tensor& tensor) {
+  const auto sizes = tensor.sizes();
+  const auto dims = static_cast<Py_ssize_t>(sizes.size());
+  py::object shape = py::reinterpret_steal<py::object>(THPSizeType.tp_alloc(&THPSizeType, dims));
+  if (!shape) {
+    throw py::error_already_set();
+  }
+  for (Py_ssize_t dim = 0; dim < dims; ++dim) {
+    PyObject* size = PyLong_FromLongLong(sizes[dim]);
+    if (size == nullptr) {
+      throw py::error_already_set();
+    }
+    PyTuple_SET_ITEM(shape.ptr(), dim, size);
+  }
+  return shape;
+}
+
+// Each tensor's device and shape, one tensor after another in one flat list: _plan._KIND_READS's
+// facts. None where a tensor is not a plain torch.Tensor.
+py::object kind_facts(const py::list& tensors) {
+  if (!all_plain_tensors(tensors)) {
+    return py::none();
+  }
+  py::list facts;
+  for (const py::handle item : tensors) {
+    const at::Tensor& tensor = THPVariable_Unpack(item.ptr());
+    facts.append(py::reinterpret_steal<py::object>(THPDevice_New(tensor.device())));
+    facts.append(shape_of(tensor));
+  }
+  return facts;
+}
+
+// Each grad of `grads` (None or a tensor) as one row of a contiguous int64 CPU tensor: its tensor's
+// address (Tensor._cdata; 0 for None) and its data's (0 for None), for planned_pieces.
+at::Tensor planned_rows(const py::list& grads) {
+  const Py_ssize_t count = PyList_GET_SIZE(grads.ptr());
+  at::Tensor rows = at::zeros({static_cast<int64_t>(count), 2}, at::kLong);
+  int64_t* row = rows.data_ptr<int64_t>();
+  for (const py::handle grad : grads) {
+    if (!grad.is_none()) {
+      if (!THPVariable_Check(grad.ptr())) {
+        throw py::type_error("planned_rows takes tensors and None");
+      }
+      const at::Tensor& tensor = THPVariable_Unpack(grad.ptr());
+      row[0] = reinterpret_cast<int64_t>(tensor.unsafeGetTensorImpl());
+      row[1] = reinterpret_cast<int64_t>(tensor.data_ptr());
+    }
+    row += 2;
+  }
+  return rows;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("planned_pieces", &planned_pieces, py::arg("params"), py::arg("planned"));
+  module.def("piece_facts", &piece_facts, py::arg("tensors"), py::arg("contiguity"));
+  module.def("kind_facts", &kind_facts, py::arg("tensors"));
+  module.def("planned_rows", &planned_rows, py::arg("grads"));
   module.def("same_holders", &same_holders, py::arg("empty"), py::arg("dicts"), py::arg("held"));
   module.def(
       "same_roles",

@@ -9,6 +9,7 @@ whole path under each of the two against float64 oracles.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -165,3 +166,57 @@ def test_a_model_holding_a_dictionary_of_another_type_is_checked_in_python() -> 
     model.weight.grad = torch.ones(2)
     grad_norm(model, OFF)
     assert plans._KEPT[model]._checks is None
+
+
+def _pieces() -> list[torch.Tensor]:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return [
+        base,
+        base.t(),  # not contiguous
+        base[1:, 2:],  # a view at an offset
+        torch.zeros(0),  # no elements
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.ones(2, 2, dtype=torch.float64),
+        torch.ones(5, dtype=torch.complex64),
+        torch.ones((), dtype=torch.int64),
+    ]
+
+
+@pytest.mark.parametrize("contiguity", [True, False])
+def test_the_compiled_piece_facts_are_the_python_ones(contiguity: bool) -> None:
+    pieces = _pieces()
+    checks = steady_checks()
+    assert checks is not None
+    reads: list[Callable[[Any], Any]] = [torch.Tensor.data_ptr, torch.Tensor.numel, operator.attrgetter("dtype")]
+    python = plans._facts_of(pieces, [*reads, *([torch.Tensor.is_contiguous] if contiguity else [])])
+    assert checks.piece_facts(pieces, contiguity) == python
+    assert checks.kind_facts(pieces) == plans._facts_of(pieces, plans._KIND_READS)
+    assert [type(fact) for fact in checks.kind_facts(pieces)[1::2]] == [torch.Size] * len(pieces)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_the_compiled_facts_leave_a_subclass_to_python_and_refuse_a_sparse_tensor_as_python_does() -> None:
+    checks = steady_checks()
+    assert checks is not None
+    subclass = torch.ones(2).as_subclass(_Subclass)  # its __torch_function__ is the Python reads' to ask
+    assert checks.piece_facts([torch.ones(1), subclass], True) is None
+    assert checks.kind_facts([subclass]) is None
+    sparse = torch.ones(2, 2).to_sparse()
+    with pytest.raises(RuntimeError) as python:
+        torch.Tensor.data_ptr(sparse)
+    with pytest.raises(RuntimeError) as compiled:
+        checks.piece_facts([sparse], False)
+    assert str(compiled.value).split("\n")[0] == str(python.value).split("\n")[0]
+
+
+def test_the_compiled_planned_rows_are_each_grads_tensor_and_data_address() -> None:
+    checks = steady_checks()
+    assert checks is not None
+    grads = [*_pieces(), None]
+    rows = checks.planned_rows(grads)
+    assert rows.dtype == torch.int64 and rows.is_contiguous()
+    want = [[0, 0] if grad is None else [grad._cdata, grad.data_ptr()] for grad in grads]
+    assert rows.tolist() == want
