@@ -59,7 +59,7 @@ import functools
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import chain, compress, count, repeat
+from itertools import chain, compress, repeat
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -582,12 +582,12 @@ class Plan:
             or any(facts[start::step] != held[start::step] for start in range(1, step))
         ):
             return False
-        moved = list(compress(count(), map(operator.ne, facts[::step], held[::step])))
+        moved = list(map(operator.ne, facts[::step], held[::step]))  # each piece: whether it moved
         width = len(_KIND_READS)
-        planned_for_moved = [
-            kind_held[width * index + read] for index in moved for read in range(width)
-        ]
-        if _kind_facts([pieces[index] for index in moved]) != planned_for_moved:
+        # at C speed: a Python loop over them took 1.4x the host floor
+        columns = [compress(kind_held[read::width], moved) for read in range(width)]
+        planned_for_moved = list(chain.from_iterable(zip(*columns, strict=True)))
+        if _kind_facts(list(compress(pieces, moved))) != planned_for_moved:
             return False
         replanned: dict[int, _Kind] = {}  # by the old kind: every piece's kinds may be a target's
 

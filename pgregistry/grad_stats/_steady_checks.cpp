@@ -194,6 +194,22 @@ py::object piece_facts(const py::list& tensors, bool contiguity) {
   return owned;
 }
 
+// Python's garbage collector paused while this lives (as it was before, after).
+class GarbageCollectorPaused {
+ public:
+  GarbageCollectorPaused() : was_enabled_(PyGC_Disable()) {}
+  ~GarbageCollectorPaused() {
+    if (was_enabled_) {
+      PyGC_Enable();
+    }
+  }
+  GarbageCollectorPaused(const GarbageCollectorPaused&) = delete;
+  GarbageCollectorPaused& operator=(const GarbageCollectorPaused&) = delete;
+
+ private:
+  int was_enabled_;
+};
+
 // `tensor`'s shape as a torch.Size, made as torch makes one (a tuple of its type, of Python ints).
 py::object shape_of(const at::Tensor& tensor) {
   const auto sizes = tensor.sizes();
@@ -218,6 +234,10 @@ py::object kind_facts(const py::list& tensors) {
   if (!all_plain_tensors(tensors)) {
     return py::none();
   }
+  // Each shape is a tuple the garbage collector tracks: made 20,000 in a row, they set off
+  // collections that took 20x the pass on the 2-core machine (224 against 12 ms). No cycle is made
+  // here, so the collector waits until the pass ends.
+  const GarbageCollectorPaused paused;
   py::list facts;
   for (const py::handle item : tensors) {
     const at::Tensor& tensor = THPVariable_Unpack(item.ptr());
