@@ -584,7 +584,7 @@ class Plan:
             return False
         moved = list(map(operator.ne, facts[::step], held[::step]))  # each piece: whether it moved
         width = len(_KIND_READS)
-        # at C speed: a Python loop over them took 1.4x the host floor
+        # at C speed: a Python loop over them took 8 ms a call at 20,000 pieces (2-core machine)
         columns = [compress(kind_held[read::width], moved) for read in range(width)]
         planned_for_moved = list(chain.from_iterable(zip(*columns, strict=True)))
         if _kind_facts(list(compress(pieces, moved))) != planned_for_moved:
