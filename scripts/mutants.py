@@ -577,16 +577,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        name="inf-norm-nan-flag-left-out-of-the-verdict",
-        bug="the clip's job-wide verdict reads an inf-norm's NaN from the norm column, where the row keeps it in this "
-        "rank's peak column: a NaN on one data-parallel replica skips the clip there, the other clips",
+        name="inf-norm-nan-dropped-by-the-gather",
+        bug="the inf-norm's maxima, gathered in their peak columns, are compared with the NaN dropped (as a MAX "
+        "reduction may drop one): a NaN grad on one stage gives every stage a finite inf-norm",
         file="pgregistry/grad_stats/_reductions.py",
-        find="    values = torch.cat(list(rows.values()))\n",
-        replace="    values = torch.stack([row[_NORM] for row in rows.values()])\n",
-        tests=(
-            "tests/grad_stats/test_inf_norm_verdict_across_replicas.py::"
-            "test_a_non_finite_grad_on_one_replica_gives_every_replica_the_same_inf_norm_verdict[nan]",
-        ),
+        find="    return torch.cat(peaks).amax() if peaks else _float64_zeros((), device)\n",
+        replace="    return torch.cat(peaks).nan_to_num(0.0).amax() if peaks else _float64_zeros((), device)\n",
+        tests=("tests/grad_stats/test_grad_stats_nonfinite.py::test_a_nan_reaches_every_rank_of_an_inf_norm",),
     ),
     Mutant(
         name="exact-norm-rescue-off",
@@ -2482,7 +2479,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "without a word on the CPU where the verdict is read for free",
         file="pgregistry/grad_stats/_reductions.py",
         find="        _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)\n",
-        replace="",
+        replace="        pass\n",
         tests=("tests/optim/test_optim_clip_arguments_agree.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),
     ),
@@ -2577,6 +2574,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if given.refusal is not None:\n        raise given.refusal\n",
         tests=("tests/grad_stats/test_norm_types_and_clips_that_differ_across_ranks.py::"
                "test_the_list_path_tells_norm_types_that_differ_and_a_refusal_on_every_rank",),
+    ),
+    Mutant(
+        name="fsdp-block-carries-no-arguments",
+        bug="the block of DTensor pieces summed over a data-parallel field carries no arguments: ranks sharded "
+        "over it given 2 and inf take their own shard's statistics for the norm, without a word",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="        if given is not None and group_size(first.group) > 1:  # the arguments ride in it too\n",
+        replace="        if False:\n",
+        tests=("tests/dtensor/test_dtensor_norm_types_that_differ.py::"
+               "test_norm_types_that_differ_over_an_fsdp_shard_raise_on_every_rank",),
     ),
 )
 

@@ -468,6 +468,32 @@ def _exact_norm(
     return attrs.evolve(reduced, norm64=peak * scaled, narrow=None, clip_narrow=None)
 
 
+def _reduce_blocks(shares: Shares, given: Given | None) -> list[tuple[GroupKey, torch.Tensor]]:
+    """Step 1 of the module docstring: each field's block summed, its rows added to their groups.
+
+    Returns the arguments each block of a field with peers carried (``given``'s, after a zero
+    ``[seen]`` pair, as a row's tail: :func:`_tails_summed`), with the field's group: ranks sharded
+    over a data-parallel field tell a norm type that differs there too."""
+    wanted, device = shares.wanted, shares.device
+    firsts: list[tuple[GroupKey, torch.Tensor]] = []
+    for field in sorted(shares.first, key=FIELD_NAMES.index):
+        first = shares.first[field]
+        block = torch.stack(
+            [_local_row(parts, wanted, device, first.group) for parts in first.slots]
+        )
+        if given is not None and group_size(first.group) > 1:  # the arguments ride in it too
+            arguments = given.columns(summed=True, device=device)
+            flat = torch.cat([block.reshape(-1), _float64_zeros(2, device), arguments])
+            _all_reduce(flat, dist.ReduceOp.SUM, first.group)
+            block = flat[: block.numel()].reshape(block.shape)
+            firsts.append((first.group, flat[block.numel() :]))
+        else:
+            _all_reduce(block, dist.ReduceOp.SUM, first.group)
+        for target, row in zip(first.targets, block, strict=True):
+            shares.add(target, _as_part(row, wanted, first.group))
+    return firsts
+
+
 def _reduce_once(
     shares: Shares, verdict: Sequence[ProcessGroup | None], given: Given | None = None
 ) -> Reduced:
@@ -476,18 +502,11 @@ def _reduce_once(
     if given is not None and given.refusal is not None:
         for group in list(shares.by_group):
             shares.add(group, _poison_part(device))
-    for field in sorted(shares.first, key=FIELD_NAMES.index):
-        first = shares.first[field]
-        block = torch.stack(
-            [_local_row(parts, wanted, device, first.group) for parts in first.slots]
-        )
-        _all_reduce(block, dist.ReduceOp.SUM, first.group)
-        for target, row in zip(first.targets, block, strict=True):
-            shares.add(target, _as_part(row, wanted, first.group))
+    if wanted.p is None:  # the zero count alone: no verdict, no arguments
+        verdict, given = (), None
+    firsts = _reduce_blocks(shares, given)
     rows = {g: _local_row(parts, wanted, device, g) for g, parts in shares.by_group.items()}
     verdict_groups = [group for group in verdict if group is not None and group_size(group) > 1]
-    if wanted.p is None:  # the zero count alone: no verdict, no arguments
-        verdict_groups, given = [], None
     seen = riding = carrier = agreement = None
     if verdict_groups:
         seen = _local_nonfinite_flags(rows, device)
@@ -502,10 +521,11 @@ def _reduce_once(
         )
         rows.update({group: torch.cat([rows[group], tail]) for group in shared})
     reduced = _reduce_each_group(rows, lambda row: row, dist.ReduceOp.SUM)
-    if shared and (seen is not None or given is not None):
-        riding = _tails_summed([reduced[group] for group in shared], given)
+    if (shared or firsts) and (seen is not None or given is not None):
+        carrying = [(group, reduced[group]) for group in shared] + firsts
+        riding = _tails_summed([row for _, row in carrying], given)
         if given is not None:
-            agreement = Agreement(riding[2:], sum(group_size(group) for group in shared))
+            agreement = Agreement(riding[2:], sum(group_size(group) for group, _ in carrying))
     if carrier is not None and carrier is not _NO_GROUP:
         verdict_groups = verdict_groups[1:]  # the carrier's row spans the first
     if not verdict_groups:
