@@ -410,11 +410,11 @@ def reduce_shares(
     the reduction groups holds the same norm, so every rank takes the same branch.
 
     ``given``: the call's arguments on this rank (:class:`~pgregistry.grad_stats._arguments.Given`).
-    Where refused, this rank's shares are NaN (the norm is NaN on every rank of its groups); a
-    clip's, with ``verdict``, ride in the verdict's columns (:func:`agreement_columns`: in the row
-    that carries the flags, else in their all-reduce), and the norm is NaN on every rank where one
-    was refused or the ranks' arguments differ (:attr:`Reduced.agreement` tells which).
-    """
+    Where refused, this rank's shares are NaN (the norm is NaN on every rank of its groups); the
+    arguments ride at the end of every row with peers (``Given.columns``; a plain norm's
+    ``max_norm`` is 0.0) and, with ``verdict``, in the flags' all-reduce where no row spans its
+    ranks; the norm is NaN on every rank where one was refused or the ranks' arguments
+    differ (:attr:`Reduced.agreement` tells which; :func:`check_arguments_after` raises it)."""
     reduced = _reduce_once(shares, verdict, given)
     p = shares.wanted.p
     if reread is None or p is None or shares.wanted.exact_in_one_reduction:
@@ -579,7 +579,8 @@ def _finish_in_one_launch(
 
     On CUDA with the one-read kernels, for the 2-norm and the zero count (what training calls),
     one or two rows (the dense and the expert reduction group), ``flags`` the verdict's counts
-    riding in a row (followed by ``agreement``'s summed columns, where given):
+    riding in the rows (followed by ``agreement``'s summed columns, where given: the rows' tails
+    added up, :func:`_tails_summed`):
     :func:`~pgregistry.grad_stats._fused.finish_rows`, the same operations as the lines after this
     call in :func:`_reduce_once` and the same bits, in one launch instead of 20 to 30. ``None``
     elsewhere: those lines run."""
