@@ -118,7 +118,7 @@ MUTANTS: tuple[Mutant, ...] = (
         find="        reduced = self.statistics(Wanted(given.p, zeros=zeros), given)",
         replace="        reduced = self.statistics(Wanted.of(norm_type, zeros=zeros), given)",
         tests=("tests/optim/test_optim_norm_type_refused_on_one_rank.py::"
-               "test_a_norm_type_refused_on_one_rank_leaves_its_peer_a_nan_norm_not_a_wait[stages-buffer]",),
+               "test_a_norm_type_refused_on_one_rank_leaves_its_peer_an_error_not_a_wait[stages-buffer]",),
     ),
     Mutant(
         name="negative-norm-clip-coefficient",
@@ -577,17 +577,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        name="inf-norm-nan-flag-left-out-of-the-verdict",
-        bug="the clip's job-wide verdict reads an inf-norm's NaN from the norm column, where the row keeps it as 0 "
-        "(its NaN travels as a flag): a NaN on one data-parallel replica skips the clip there, the other clips",
+        name="inf-norm-nan-dropped-by-the-gather",
+        bug="the inf-norm's maxima, gathered in their peak columns, are compared with the NaN dropped (as a MAX "
+        "reduction may drop one): a NaN grad on one stage gives every stage a finite inf-norm",
         file="pgregistry/grad_stats/_reductions.py",
-        find="    if wanted.infinite:\n"
-        "        seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))\n",
-        replace="",
-        tests=(
-            "tests/grad_stats/test_inf_norm_verdict_across_replicas.py::"
-            "test_a_non_finite_grad_on_one_replica_gives_every_replica_the_same_inf_norm_verdict[nan]",
-        ),
+        find="    return torch.cat(peaks).amax() if peaks else _float64_zeros((), device)\n",
+        replace="    return torch.cat(peaks).nan_to_num(0.0).amax() if peaks else _float64_zeros((), device)\n",
+        tests=("tests/grad_stats/test_grad_stats_nonfinite.py::test_a_nan_reaches_every_rank_of_an_inf_norm",),
     ),
     Mutant(
         name="exact-norm-rescue-off",
@@ -753,8 +749,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the inf-norm's non-finite verdict is not all-reduced over intra_dist_opt: each data-parallel replica "
         "decides alone",
         file="pgregistry/grad_stats/_reductions.py",
-        find="    if verdict_groups and wanted.p is not None:\n",
-        replace="    if verdict_groups and wanted.p is not None and not wanted.infinite:\n",
+        find="    if verdict_groups:\n        seen = _local_nonfinite_flags(rows, device)\n",
+        replace="    if verdict_groups and not wanted.infinite:\n        seen = _local_nonfinite_flags(rows, device)\n",
         tests=(
             "tests/grad_stats/test_inf_norm_verdict_across_replicas.py::"
             "test_a_non_finite_grad_on_one_replica_gives_every_replica_the_same_inf_norm_verdict",
@@ -2294,14 +2290,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="clip-arguments-left-out-of-the-verdict",
         bug="ranks given different max_norm values clip by different coefficients, their replicas drifting apart "
-        "(docs/reliability.md, hostile inputs, fifth round); a refusal on one rank leaves its peers no error",
-        file="pgregistry/grad_stats/_reductions.py",
-        find="    clipping = given if given is not None and given.clip and verdict_groups and wanted.p else None\n",
-        replace="    clipping = None\n",
+        "(docs/reliability.md, hostile inputs, fifth round): every rank carries the same arguments in the verdict",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        return agreement_columns(self.max_norm if self.clip else 0.0, self.p, summed, device)\n",
+        replace="        return agreement_columns(1.0, 2.0, summed, device)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing",
-               "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
-               "test_a_max_norm_refused_on_one_rank_raises_on_every_rank_and_scales_nothing",
                "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_the_reduction_makes_the_norm_nan_on_every_rank_where_the_arguments_differ"),
     ),
@@ -2483,9 +2477,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="optim-clip-does-not-read-the-disagreement",
         bug="ranks given different max_norm values to optimizer.clip_grad_norm scale nothing, their norm NaN, "
         "without a word on the CPU where the verdict is read for free",
-        file="pgregistry/grad_stats/_functional.py",
-        find="    _raise_disagreement(reduced, given, owner, error_if_nonfinite)\n",
-        replace="",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="        _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)\n",
+        replace="        pass\n",
         tests=("tests/optim/test_optim_clip_arguments_agree.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),
     ),
@@ -2574,6 +2568,68 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="py::bool_(true)",
         tests=("tests/grad_stats/test_compiled_checks_agree_with_python.py::"
                "test_the_compiled_piece_facts_are_the_python_ones[True]",),
+    ),
+    Mutant(
+        name="plain-norm-reads-no-disagreement",
+        bug="grad_norm given norm types that differ across the ranks of its reduction (1 and 3, 2 and inf) returns "
+        "a NaN norm, or a norm of neither, without a word; a peer of a rank that refused its norm_type gets NaN",
+        file="pgregistry/grad_stats/_functional.py",
+        find="        check_arguments_after(reduced, given, owner)\n",
+        replace="        if given.refusal is not None:\n            raise given.refusal\n",
+        tests=("tests/grad_stats/test_norm_types_and_clips_that_differ_across_ranks.py::"
+               "test_norm_types_that_differ_raise_on_every_rank",
+               "tests/grad_stats/test_norm_types_and_clips_that_differ_across_ranks.py::"
+               "test_a_norm_type_refused_on_one_rank_of_a_plain_norm_is_named_on_its_peer"),
+    ),
+    Mutant(
+        name="inf-norm-peaks-summed-in-one-column",
+        bug="every rank puts its inf-norm share in the first peak column: the rows' SUM adds the ranks' maxima "
+        "instead of gathering them, an inf-norm above every grad",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="        row[_RANGED_WIDTH + _rank_in(group)] = stacked[:, _NORM].amax()\n",
+        replace="        row[_RANGED_WIDTH] = stacked[:, _NORM].amax()\n",
+        tests=("tests/grad_stats/test_norm_types_and_clips_that_differ_across_ranks.py::test_agreeing_norm_types_give_the_oracle[inf]",),
+    ),
+    Mutant(
+        name="plain-norm-carries-max-norm-one",
+        bug="a call without a clip carries max_norm 1.0 in its row: grad_norm_and_zeros(max_norm=1.0 if rank == 0 "
+        "else None) clips on rank 0 alone, without a word",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="self.clip else 0.0, self.p",
+        replace="self.clip else 1.0, self.p",
+        tests=("tests/grad_stats/test_norm_types_and_clips_that_differ_across_ranks.py::"
+               "test_a_clip_on_one_rank_beside_a_plain_norm_raises_on_every_rank_and_scales_nothing",),
+    ),
+    Mutant(
+        name="optimizer-statistics-read-no-disagreement",
+        bug="an optimizer's get_grad_norm (a grad buffer's grad_norm) on a peer of a rank that refused its "
+        "norm_type returns NaN without a word",
+        file="pgregistry/optim/_grad_statistics.py",
+        find="        check_arguments_after(reduced, given, f\"{type(self).__name__}'s grad norm\")\n",
+        replace="        if given.refusal is not None:\n            raise given.refusal\n",
+        tests=("tests/optim/test_optim_norm_type_refused_on_one_rank.py::"
+               "test_a_norm_type_refused_on_one_rank_leaves_its_peer_an_error_not_a_wait",),
+    ),
+    Mutant(
+        name="norm-of-grads-refuses-before-the-reduction",
+        bug="norm_of_grads refuses a norm_type on its rank before the reduction: its peers wait in the all-reduce "
+        "until the group's timeout",
+        file="pgregistry/grad_stats/_lists.py",
+        find="    given = arguments_of_call(norm_type, None, clip=False)  # refused after the reduction\n",
+        replace="    given = arguments_of_call(norm_type, None, clip=False)\n"
+        "    if given.refusal is not None:\n        raise given.refusal\n",
+        tests=("tests/grad_stats/test_norm_types_and_clips_that_differ_across_ranks.py::"
+               "test_the_list_path_tells_norm_types_that_differ_and_a_refusal_on_every_rank",),
+    ),
+    Mutant(
+        name="fsdp-block-carries-no-arguments",
+        bug="the block of DTensor pieces summed over a data-parallel field carries no arguments: ranks sharded "
+        "over it given 2 and inf take their own shard's statistics for the norm, without a word",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="        if given is not None and group_size(first.group) > 1:  # the arguments ride in it too\n",
+        replace="        if False:\n",
+        tests=("tests/dtensor/test_dtensor_norm_types_that_differ.py::"
+               "test_norm_types_that_differ_over_an_fsdp_shard_raise_on_every_rank",),
     ),
 )
 

@@ -183,6 +183,15 @@ class Given:
     max_norm: float | None
     refusal: Exception | None
 
+    def columns(self, *, summed: bool, device: torch.device) -> torch.Tensor:
+        """These arguments as :func:`agreement_columns` (made once per value and device).
+
+        A call that does not clip carries ``max_norm`` 0.0, which no clip is given: a clip on some
+        ranks beside a plain norm on others differs in it."""
+        if self.refusal is not None:
+            return agreement_columns(None, self.p, summed, device)
+        return agreement_columns(self.max_norm if self.clip else 0.0, self.p, summed, device)
+
 
 def arguments_of_call(
     norm_type: object, max_norm: object, *, clip: bool, error_if_nonfinite: object = False
@@ -273,7 +282,7 @@ class Agreement:
         ``given`` this rank's arguments (the group's where they agree); an argument that differs
         (every one, where a rank refused) is kept as the range ``[-inf, inf]``: known to differ,
         its values not."""
-        local = agreement_columns(given.max_norm, given.p, False, self.columns.device)
+        local = given.columns(summed=False, device=self.columns.device)
         refused = self.columns[:1] > 0
         # the largest values, then the negated least
         unknown = (self.differing() | refused).repeat(2)
@@ -282,16 +291,22 @@ class Agreement:
     def fault(self, given: Given, owner: str) -> ValueError | None:
         """The error every rank raises, or ``None``: reads the columns on the host (a device sync).
 
-        ``None`` too where this rank refused its argument: it raises its own fault, naming it."""
+        ``None`` too where this rank refused its argument: it raises its own fault, naming it. A
+        call without a clip names the ranks its norm is reduced over, and a NaN norm."""
         if given.refusal is not None:
             return None
         values = self.columns.tolist()
-        this = f"max_norm={given.max_norm!r}, norm_type={given.p!r}"
+        if given.clip:
+            this = f"max_norm={given.max_norm!r}, norm_type={given.p!r}"
+            peers, outcome = "holding grads", "no grad was scaled on any rank"
+        else:
+            this = f"norm_type={given.p!r} and no max_norm (no clip)"
+            peers, outcome = "reducing this norm", "the norm is NaN on every rank"
         if values[0] > 0:
             return ValueError(
-                f"{owner}: another rank holding grads refused its max_norm, norm_type or "
-                f"error_if_nonfinite (it raises naming the value); this rank was given {this}; no "
-                "grad was scaled on any rank: pass the same valid arguments on every rank"
+                f"{owner}: another rank {peers} refused its max_norm, norm_type or "
+                f"error_if_nonfinite (it raises naming the value); this rank was given {this}; "
+                f"{outcome}: pass the same valid arguments on every rank"
             )
         differ = [
             f"{name}{spread}"
@@ -300,11 +315,16 @@ class Agreement:
         ]
         if not differ:
             return None
+        if given.clip:
+            why = "each rank would clip by its own coefficient and the replicas would drift apart"
+        else:
+            why = "their shares are not of one norm"
+        no_clip = not given.clip and differ[0].startswith("max_norm")
+        unclipped = " (this rank does not clip; another does)" if no_clip else ""
         return ValueError(
-            f"{owner}: {' and '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} across "
-            f"the ranks holding grads; this rank was "
-            f"given {this}: each rank would clip by its own coefficient and the replicas would "
-            "drift apart, so no grad was scaled on any rank: pass the same values on every rank"
+            f"{owner}: {' and '.join(differ)}{unclipped} "
+            f"{'differs' if len(differ) == 1 else 'differ'} across the ranks {peers}; this rank "
+            f"was given {this}: {why}, so {outcome}: pass the same values on every rank"
         )
 
     def _argument_spreads(self, values: list[float]) -> list[str | None]:
@@ -324,4 +344,6 @@ class Agreement:
         """``None`` where every rank was given one value; else its range, ``''`` where unknown."""
         if high == least:
             return None
-        return "" if least == -math.inf else f" (from {least!r} to {high!r})"
+        if least == -math.inf:
+            return ""
+        return f" (from {'0.0, no clip,' if least == 0.0 else repr(least)} to {high!r})"

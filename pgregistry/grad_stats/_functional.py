@@ -49,6 +49,7 @@ from pgregistry.grad_stats._reductions import (
     Clipping,
     Reduced,
     Wanted,
+    check_arguments_after,
     reduce_shares,
 )
 
@@ -276,8 +277,8 @@ def _read_and_reduce(
     if clip:
         assert given is not None
         read.clip_(clipping_after(reduced, given, owner, max_norm, error_if_nonfinite))
-    elif given is not None and given.refusal is not None:
-        raise given.refusal
+    elif given is not None:
+        check_arguments_after(reduced, given, owner)
     return reduced, read
 
 
@@ -287,32 +288,12 @@ def clipping_after(
     """A clip's scaling once its reduction is made, after what every clip checks first, in order.
 
     This rank's refused argument (it joined the reduction first: no peer waits), then the ranks'
-    disagreement where it costs no device sync (:func:`_raise_disagreement`), then, with
+    disagreement where it costs no device sync (:func:`check_arguments_after`), then, with
     ``error_if_nonfinite``, a non-finite norm. The functional clips and the optimizers' share it."""
-    if given.refusal is not None:
-        raise given.refusal
+    check_arguments_after(reduced, given, owner, error_if_nonfinite)
     assert reduced.norm64 is not None and isinstance(error_if_nonfinite, bool)
-    _raise_disagreement(reduced, given, owner, error_if_nonfinite)
     check_finite(reduced.norm64, error_if_nonfinite)
     return Clipping(max_norm, reduced.norm64)  # type: ignore[arg-type]  # checked: given
-
-
-def _raise_disagreement(
-    reduced: Reduced, given: Given, owner: str, error_if_nonfinite: bool
-) -> None:
-    """Raise the clip's arguments' disagreement across ranks, where it costs no device sync.
-
-    Where the verdict lies on the host, or with ``error_if_nonfinite`` (which reads the norm anyway)
-    and a non-finite norm. Elsewhere (a GPU) the norm is NaN on every rank and nothing is scaled."""
-    agreement = reduced.agreement
-    if agreement is None or reduced.norm64 is None:
-        return
-    if agreement.columns.device.type != "cpu":
-        if not error_if_nonfinite or bool(torch.isfinite(reduced.norm64)):
-            return
-    fault = agreement.fault(given, owner)
-    if fault is not None:
-        raise fault
 
 
 def grad_norm(
@@ -345,8 +326,11 @@ def grad_norm(
     Raises:
         TypeError: ``norm_type`` not a real number; ``pg_collection`` neither a collection nor
             ``None``.
-        ValueError: ``norm_type`` not positive; given a model or model chunks, parameters of a
-            marked expert module without an EP classification (:func:`check_expert_classification`);
+        ValueError: ``norm_type`` not positive (after the reduction, which this rank joins); on
+            the CPU, ``norm_type`` differing across the ranks of a reduction, or refused on one of
+            them, on each of them (on a GPU the norm is NaN: no device sync); given a model or model
+            chunks, parameters of a marked expert module without an EP classification
+            (:func:`check_expert_classification`);
             given tensors, none that has a grad or can get one (grads, a ``state_dict``'s copies:
             pass the parameters); a collection that disagrees with the model's attached one, that
             this rank is not a member of, or that was destroyed.

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pgregistry._runtime.meta_tensors import meta_tensor_error
-from pgregistry.grad_stats._arguments import total_norm_as_tensor
+from pgregistry.grad_stats._arguments import arguments_of_call, total_norm_as_tensor
 from pgregistry.grad_stats._devices import reduction_device
 from pgregistry.grad_stats._local import add_parts, by_kind, scale_kind
 from pgregistry.grad_stats._reductions import (
@@ -28,6 +28,7 @@ from pgregistry.grad_stats._reductions import (
     GroupKey,
     Shares,
     Wanted,
+    check_arguments_after,
     check_max_norm,
     clip_coefficient,
     reduce_shares,
@@ -126,7 +127,7 @@ def _shares_of_groups(
 def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type``-norm of already-filtered grads, each group's share summed over its group.
 
-    One all-reduce per distinct group (SUM of ``|g|^p``, MAX for the inf-norm), issued in an order
+    One all-reduce per distinct group (SUM, the inf-norm's maxima gathered), issued in an order
     every rank agrees on (by the group's ranks); ``None`` and single-rank groups issue none. Exact
     where ``sum |g|^p`` leaves the float range: the 1-, 2- and inf-norm in the one reduction, with
     no host sync; another ``p`` reads the norm on the host once and, only there, the grads twice
@@ -146,8 +147,10 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
     Raises:
         ValueError: a tensor given twice (in one group's list or under two groups: it would be
             counted twice, as torch's ``get_total_norm`` counts it), or on the meta device, naming
-            the first; on this rank, before any collective.
-        TypeError: an entry that is no tensor.
+            the first; on this rank, before any collective. ``norm_type`` refused, or on the CPU
+            differing across the ranks of a group or refused on another, after the reduction
+            (every rank joins it), as :func:`~pgregistry.grad_stats.grad_norm`.
+        TypeError: an entry that is no tensor; ``norm_type`` no real number (after the reduction).
 
     Example::
 
@@ -159,7 +162,11 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
     def read_shares(wanted: Wanted) -> Shares:
         return _shares_of_groups(grads_by_group, kinds_by_group, wanted)
 
-    return reduce_shares(read_shares(Wanted.of(norm_type, zeros=False)), reread=read_shares).norm
+    given = arguments_of_call(norm_type, None, clip=False)  # refused after the reduction
+    wanted = Wanted(given.p, zeros=False)
+    reduced = reduce_shares(read_shares(wanted), reread=read_shares, given=given)
+    check_arguments_after(reduced, given, "norm_of_grads")
+    return reduced.norm
 
 
 def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:

@@ -12,21 +12,27 @@ every collective of a call in the one agreed order and combines:
    in field order, of a two-row block (the dense and the expert share), added to the parts of the
    two reduction groups;
 2. one all-reduce per reduction group, in an order every rank agrees on (by the group's ranks, then
-   its name; :func:`reduce_over_groups`), of the group's row: both statistics in one collective
-   (SUM), or, for the inf-norm (MAX) with the zero count, two;
+   its name; :func:`reduce_over_groups`), of the group's row: both statistics in one collective,
+   a SUM of one width whatever the norm type (the inf-norm's maxima in a column per rank:
+   :func:`_local_row`), so ranks given different norm types issue the same collectives. A call's
+   checked arguments (``given``: ``norm_type``, a clip's ``max_norm`` or 0.0 without one, a
+   refusal) ride at the end of every row with peers, and the norm is NaN wherever they differ
+   (:class:`~pgregistry.grad_stats._arguments.Agreement`; :func:`check_arguments_after` raises it
+   where no device sync is needed);
 3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the
    collection's ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every
-   rank clips, skips or raises alike. One 2-element all-reduce, none when a reduction group of step
-   2 already spans those ranks (the flags then ride in its row);
+   rank clips, skips or raises alike. One small all-reduce (MAX, with the arguments), none when a
+   reduction group of step 2 already spans those ranks (the flags then ride in its row);
 4. only for a ``p`` other than 1, 2 and inf (those are exact in steps 1-3:
    :attr:`Wanted.exact_in_one_reduction`), where the norm of steps 1-3 cannot be trusted (``sum
    |g|^p`` overflowed or underflowed the float range; a ``p`` beyond 2**126) and the caller can read
    the grads again: the inf-norm ``m`` over the same groups, then the shares again divided by ``m``,
    reduced as above (:func:`reduce_shares`): the norm ``m * (sum (|g| / m)^p)^(1/p)``, exact.
 
-A SUM carries a NaN or an inf through by itself; a MAX may drop a NaN (gloo's keeps whichever comes
-first), so the inf-norm's rows carry a NaN flag. The grads a rank holds but does not count (TP,
-expert TP and GTP duplicates, ``shared`` copies) are read too, into *seen* parts
+A SUM carries a NaN or an inf through by itself (a MAX may drop a NaN: gloo's keeps whichever comes
+first), the inf-norm's too: its maxima are gathered, not compared, by the SUM. The grads a rank
+holds but does not count (TP, expert TP and GTP duplicates, ``shared`` copies) are read too, into
+*seen* parts
 (:func:`nonfinite_part`: their NaN or inf, nothing else) under the group their counted copy is
 summed over: whether the norm is finite is decided over every grad of every rank, in the rows that
 already travel, while each element is still counted once. Shares accumulate in float64 whatever the
@@ -53,12 +59,10 @@ from torch.distributed import ProcessGroup
 
 from pgregistry.collection import FIELD_NAMES, GroupName, group_size
 from pgregistry.grad_stats._arguments import (
-    AGREEMENT_WIDTH_MAX,
     AGREEMENT_WIDTH_SUM,
     CLIP_EPSILON,
     Agreement,
     Given,
-    agreement_columns,
     check_max_norm,
     max_norm_scalar,
     norm_type_as_float,
@@ -68,6 +72,7 @@ from pgregistry.grad_stats._fused import can_run_fused_stats, finish_rows
 __all__ = [
     "CLIP_EPSILON",
     "Clipping",
+    "check_arguments_after",
     "GradsByGroup",
     "GroupKey",
     "Reduced",
@@ -346,6 +351,38 @@ class Reduced:
         return torch.where(torch.isinf(self.norm64), self.norm64, finite).to(torch.float32)
 
 
+def check_arguments_after(
+    reduced: Reduced, given: Given, owner: str, error_if_nonfinite: object = False
+) -> None:
+    """Raise this rank's refused argument, then the ranks' disagreement where it costs no sync.
+
+    After the reduction, which a refusing rank joined first (no peer waits); the disagreement as
+    :func:`_raise_disagreement` reads it. A norm without a clip checks this too: its rows carry the
+    arguments as a clip's do (:func:`reduce_shares`)."""
+    if given.refusal is not None:
+        raise given.refusal
+    if reduced.norm64 is not None:
+        _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)
+
+
+def _raise_disagreement(
+    reduced: Reduced, given: Given, owner: str, error_if_nonfinite: bool
+) -> None:
+    """Raise the arguments' disagreement across ranks, where it costs no device sync.
+
+    Where the verdict lies on the host, or with ``error_if_nonfinite`` (which reads the norm anyway)
+    and a non-finite norm. Elsewhere (a GPU) the norm is NaN on every rank and nothing is scaled."""
+    agreement = reduced.agreement
+    if agreement is None or reduced.norm64 is None:
+        return
+    if agreement.columns.device.type != "cpu":
+        if not error_if_nonfinite or bool(torch.isfinite(reduced.norm64)):
+            return
+    fault = agreement.fault(given, owner)
+    if fault is not None:
+        raise fault
+
+
 Reread = Callable[[Wanted], Shares]
 """Reads the grads of a call again, into fresh shares of another :class:`Wanted`, under the same
 groups: what :func:`reduce_shares` needs for an exact norm."""
@@ -373,11 +410,11 @@ def reduce_shares(
     the reduction groups holds the same norm, so every rank takes the same branch.
 
     ``given``: the call's arguments on this rank (:class:`~pgregistry.grad_stats._arguments.Given`).
-    Where refused, this rank's shares are NaN (the norm is NaN on every rank of its groups); a
-    clip's, with ``verdict``, ride in the verdict's columns (:func:`agreement_columns`: in the row
-    that carries the flags, else in their all-reduce), and the norm is NaN on every rank where one
-    was refused or the ranks' arguments differ (:attr:`Reduced.agreement` tells which).
-    """
+    Where refused, this rank's shares are NaN (the norm is NaN on every rank of its groups); the
+    arguments ride at the end of every row with peers (``Given.columns``; a plain norm's
+    ``max_norm`` is 0.0) and, with ``verdict``, in the flags' all-reduce where no row spans its
+    ranks; the norm is NaN on every rank where one was refused or the ranks' arguments
+    differ (:attr:`Reduced.agreement` tells which; :func:`check_arguments_after` raises it)."""
     reduced = _reduce_once(shares, verdict, given)
     p = shares.wanted.p
     if reread is None or p is None or shares.wanted.exact_in_one_reduction:
@@ -431,6 +468,32 @@ def _exact_norm(
     return attrs.evolve(reduced, norm64=peak * scaled, narrow=None, clip_narrow=None)
 
 
+def _reduce_blocks(shares: Shares, given: Given | None) -> list[tuple[GroupKey, torch.Tensor]]:
+    """Step 1 of the module docstring: each field's block summed, its rows added to their groups.
+
+    Returns the arguments each block of a field with peers carried (``given``'s, after a zero
+    ``[seen]`` pair, as a row's tail: :func:`_tails_summed`), with the field's group: ranks sharded
+    over a data-parallel field tell a norm type that differs there too."""
+    wanted, device = shares.wanted, shares.device
+    firsts: list[tuple[GroupKey, torch.Tensor]] = []
+    for field in sorted(shares.first, key=FIELD_NAMES.index):
+        first = shares.first[field]
+        block = torch.stack(
+            [_local_row(parts, wanted, device, first.group) for parts in first.slots]
+        )
+        if given is not None and group_size(first.group) > 1:  # the arguments ride in it too
+            arguments = given.columns(summed=True, device=device)
+            flat = torch.cat([block.reshape(-1), _float64_zeros(2, device), arguments])
+            _all_reduce(flat, dist.ReduceOp.SUM, first.group)
+            block = flat[: block.numel()].reshape(block.shape)
+            firsts.append((first.group, flat[block.numel() :]))
+        else:
+            _all_reduce(block, dist.ReduceOp.SUM, first.group)
+        for target, row in zip(first.targets, block, strict=True):
+            shares.add(target, _as_part(row, wanted, first.group))
+    return firsts
+
+
 def _reduce_once(
     shares: Shares, verdict: Sequence[ProcessGroup | None], given: Given | None = None
 ) -> Reduced:
@@ -439,37 +502,33 @@ def _reduce_once(
     if given is not None and given.refusal is not None:
         for group in list(shares.by_group):
             shares.add(group, _poison_part(device))
-    for field in sorted(shares.first, key=FIELD_NAMES.index):
-        first = shares.first[field]
-        block = torch.stack([_local_row(parts, wanted, device) for parts in first.slots])
-        _reduce_block(block, first.group, wanted)
-        for target, row in zip(first.targets, block, strict=True):
-            shares.add(target, _as_part(row, wanted))
-    rows = {group: _local_row(parts, wanted, device) for group, parts in shares.by_group.items()}
+    if wanted.p is None:  # the zero count alone: no verdict, no arguments
+        verdict, given = (), None
+    firsts = _reduce_blocks(shares, given)
+    rows = {g: _local_row(parts, wanted, device, g) for g, parts in shares.by_group.items()}
     verdict_groups = [group for group in verdict if group is not None and group_size(group) > 1]
-    seen = carrier = agreement = None
-    clipping = given if given is not None and given.clip and verdict_groups and wanted.p else None
-    summed = not wanted.infinite  # the carrier row's reduction: SUM, or MAX for the inf-norm
-    carried = 2 + (AGREEMENT_WIDTH_SUM if summed else AGREEMENT_WIDTH_MAX) * (clipping is not None)
-    if verdict_groups and wanted.p is not None:
-        seen = _local_nonfinite_flags(rows, wanted, device)
+    seen = riding = carrier = agreement = None
+    if verdict_groups:
+        seen = _local_nonfinite_flags(rows, device)
         carrier = _same_ranks(verdict_groups[0], rows)
-        if (
-            carrier is not _NO_GROUP
-        ):  # the flags ride in that group's row: every rank of it appends them
-            given_columns = (
-                [agreement_columns(clipping.max_norm, clipping.p, summed, device)]
-                if clipping
-                else []
-            )
-            rows[carrier] = torch.cat([rows[carrier], seen, *given_columns])
-            verdict_groups = verdict_groups[1:]
-    reduced = _reduce_rows(rows, wanted)
-    if clipping is not None and carrier is not _NO_GROUP:
-        ranks = group_size(carrier) if summed else 0
-        agreement = Agreement(reduced[carrier][2 - carried :], ranks)
-    if seen is None or (carrier is not _NO_GROUP and not verdict_groups):
-        riding = reduced[carrier][-carried:] if seen is not None else None
+    shared = [group for group in rows if group_size(group) > 1]  # the rows with peers
+    if shared and (seen is not None or given is not None):  # they end alike: [seen, arguments]
+        tail = torch.cat(
+            [
+                _float64_zeros(2, device) if seen is None else seen,
+                *([given.columns(summed=True, device=device)] if given is not None else []),
+            ]
+        )
+        rows.update({group: torch.cat([rows[group], tail]) for group in shared})
+    reduced = _reduce_each_group(rows, lambda row: row, dist.ReduceOp.SUM)
+    if (shared or firsts) and (seen is not None or given is not None):
+        carrying = [(group, reduced[group]) for group in shared] + firsts
+        riding = _tails_summed([row for _, row in carrying], given)
+        if given is not None:
+            agreement = Agreement(riding[2:], sum(group_size(group) for group, _ in carrying))
+    if carrier is not None and carrier is not _NO_GROUP:
+        verdict_groups = verdict_groups[1:]  # the carrier's row spans the first
+    if not verdict_groups:
         finished = _finish_in_one_launch(list(reduced.values()), riding, wanted, shares, agreement)
         if finished is not None:
             return finished
@@ -479,12 +538,7 @@ def _reduce_once(
     if wanted.p is None:
         return Reduced(norm64=None, zeros=zeros, wide=shares.wide)
     if wanted.infinite:
-        peaks = (
-            torch.stack([row[_NORM] for row in reduced.values()])
-            if reduced
-            else _float64_zeros(1, device)
-        )
-        norm = peaks.amax()
+        norm = _largest_peak(reduced, device)
     elif wanted.ranged:
         totals = list(reduced.values())
         norm = _two_norm_from_ranges(
@@ -493,26 +547,17 @@ def _reduce_once(
     else:
         norm = _column_total(list(reduced.values()), _NORM, device).pow(1.0 / wanted.p)
     flags = []  # each [NaN, inf] (counts, never negative: set where positive)
-    if (
-        wanted.infinite and reduced
-    ):  # the rows' NaN flags (a MAX reduction does not carry a NaN itself)
-        nan = torch.stack([row[_FLAG] for row in reduced.values()]).amax()
-        flags.append(torch.stack([nan, torch.zeros_like(nan)]))
     if seen is not None:
         if carrier is not _NO_GROUP:
-            flags.append(reduced[carrier][-carried:][:2])
+            assert riding is not None
+            flags.append(riding[:2])
         if verdict_groups:
             seen = torch.maximum(seen, _nonfinite_flags(norm))
-            if clipping is not None:  # after the carrier's (summed or not), or alone
-                local = (
-                    agreement.as_maximum_form(clipping)
-                    if agreement is not None
-                    else agreement_columns(clipping.max_norm, clipping.p, False, device)
-                )
-                seen = torch.cat([seen, local])
+            if given is not None:  # after the rows' (summed), or alone
+                seen = torch.cat([seen, _maximum_form(agreement, given, device)])
             for group in verdict_groups:
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-            if clipping is not None:
+            if given is not None:
                 agreement, seen = Agreement(seen[2:], 0), seen[:2]
             flags.append(seen)
     if flags:
@@ -534,7 +579,8 @@ def _finish_in_one_launch(
 
     On CUDA with the one-read kernels, for the 2-norm and the zero count (what training calls),
     one or two rows (the dense and the expert reduction group), ``flags`` the verdict's counts
-    riding in a row (followed by ``agreement``'s summed columns, where given):
+    riding in the rows (followed by ``agreement``'s summed columns, where given: the rows' tails
+    added up, :func:`_tails_summed`):
     :func:`~pgregistry.grad_stats._fused.finish_rows`, the same operations as the lines after this
     call in :func:`_reduce_once` and the same bits, in one launch instead of 20 to 30. ``None``
     elsewhere: those lines run."""
@@ -562,8 +608,6 @@ def _finish_in_one_launch(
 
 
 _NO_GROUP: Final = object()
-_FLAG: Final = 2
-"""An inf-norm row's third column: NaN seen."""
 
 
 def _float64_zeros(size: int | tuple[()], device: torch.device) -> torch.Tensor:
@@ -619,19 +663,41 @@ def _nonfinite_flags(value: torch.Tensor) -> torch.Tensor:
 
 
 def _local_nonfinite_flags(
-    rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted, device: torch.device
+    rows: Mapping[GroupKey, torch.Tensor], device: torch.device
 ) -> torch.Tensor:
-    """Whether this rank's local shares hold a NaN or an inf, as ``[NaN, inf]`` flags."""
+    """Whether this rank's local rows hold a NaN or an inf, as ``[NaN, inf]`` flags.
+
+    Only shares can be either (a zero count never is), whatever the norm type's columns."""
     if not rows:
         return _float64_zeros(2, device)
-    stacked = torch.stack(list(rows.values()))
-    shares = stacked[:, _NORM].sum()
-    if wanted.ranged:  # slices, not a list index (a host-to-device copy of the index on CUDA)
-        shares = shares + stacked[:, _LARGE:].sum()
-    seen = _nonfinite_flags(shares)
-    if wanted.infinite:
-        seen = torch.maximum(seen, torch.stack([stacked[:, _FLAG].amax(), seen[1]]))
-    return seen
+    values = torch.cat(list(rows.values()))
+    return torch.stack([values.isnan().any(), values.isinf().any()]).to(torch.float64)
+
+
+def _tails_summed(rows: Sequence[torch.Tensor], given: Given | None) -> torch.Tensor:
+    """The reduced ``rows``' tails (``[seen, arguments]``, :func:`_reduce_once`) added up.
+
+    Summed over the rows, the arguments' summed form covers every rank of every group, each counted
+    once per group it shares with this rank (:class:`Agreement` over the sum of the groups' sizes:
+    equal terms, by Cauchy-Schwarz, whatever their multiplicity); the flags stay counts."""
+    width = 2 + (AGREEMENT_WIDTH_SUM if given is not None else 0)
+    tails = [row[-width:] for row in rows]
+    return tails[0] if len(tails) == 1 else torch.stack(tails).sum(0)
+
+
+def _maximum_form(agreement: Agreement | None, given: Given, device: torch.device) -> torch.Tensor:
+    """The arguments as the verdict's MAX all-reduce carries them: the rows', else this rank's."""
+    if agreement is None:
+        return given.columns(summed=False, device=device)
+    return agreement.as_maximum_form(given)
+
+
+def _largest_peak(reduced: Mapping[GroupKey, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The inf-norm: the largest of every row's peak columns (a NaN where one is)."""
+    peaks = [
+        row[_RANGED_WIDTH : _RANGED_WIDTH + group_size(group)] for group, row in reduced.items()
+    ]
+    return torch.cat(peaks).amax() if peaks else _float64_zeros((), device)
 
 
 def _same_ranks(group: ProcessGroup, rows: Mapping[GroupKey, torch.Tensor]) -> Any:
@@ -643,35 +709,47 @@ def _same_ranks(group: ProcessGroup, rows: Mapping[GroupKey, torch.Tensor]) -> A
     return _NO_GROUP
 
 
-def _as_part(row: torch.Tensor, wanted: Wanted) -> torch.Tensor:
-    """A row reduced over a field first, as a part of its reduction group.
+def _as_part(row: torch.Tensor, wanted: Wanted, group: ProcessGroup | None) -> torch.Tensor:
+    """A row reduced over a field first (over ``group``), as a part of its reduction group.
 
-    An inf-norm row's NaN flag becomes a NaN.
-    """
+    The inf-norm's part is the largest of the row's peak columns (NaN where one is)."""
     if not wanted.infinite:
-        return row
-    return torch.stack([torch.where(row[_FLAG] > 0, math.nan, row[_NORM]), row[_ZEROS]])
+        return row[:_RANGED_WIDTH]
+    peaks = row[_RANGED_WIDTH : _RANGED_WIDTH + group_size(group)]
+    return torch.stack([peaks.amax(), row[_ZEROS]])
 
 
-def _local_row(parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.device) -> torch.Tensor:
-    """One group's row from its parts: ``[share, zeros]`` summed.
+def _local_row(
+    parts: Sequence[torch.Tensor], wanted: Wanted, device: torch.device, group: GroupKey
+) -> torch.Tensor:
+    """One group's row from its parts, to be summed over ``group`` whatever the norm type.
 
-    For the inf-norm ``[max, zeros, NaN seen]``, the NaN carried by the flag (a MAX reduction may
-    drop it) and counting as 0 in the maximum."""
+    ``[share, zeros, large, small, peak_0 .. peak_n-1]`` for a group of ``n`` ranks: a ``p``-norm's
+    share in the first column (the 2-norm's by range, :func:`squares_by_range`); the inf-norm's
+    ``max |g|`` in this rank's own peak column, every other rank's 0, so the SUM gathers each
+    rank's maximum exactly, a NaN too (a MAX reduction may drop one). One width and one operation
+    for every norm type: ranks given different ones issue the same collective (gloo aborted on a
+    size mismatch, or a peer waited), and tell it from the arguments that ride at the row's end
+    (:func:`_reduce_once`). The zero count alone: ``[0, zeros]``."""
+    width = 2 if wanted.p is None else _RANGED_WIDTH + group_size(group)
     if not wanted.infinite:
-        width = _RANGED_WIDTH if wanted.ranged else 2
         if not parts:
             return _float64_zeros(width, device)
         widened = [_pad_to_width(part, width) for part in parts]
         return widened[0] if len(widened) == 1 else torch.stack(widened).sum(0)
-    if not parts:
-        return _float64_zeros(3, device)
-    rows = torch.stack(list(parts))
-    share = rows[:, _NORM]
-    nan = share.isnan()
-    return torch.stack(
-        [torch.where(nan, 0.0, share).amax(), rows[:, _ZEROS].sum(), nan.any().to(torch.float64)]
-    )
+    row = _float64_zeros(width, device)
+    if parts:
+        stacked = torch.stack(list(parts))
+        row[_ZEROS] = stacked[:, _ZEROS].sum()
+        row[_RANGED_WIDTH + _rank_in(group)] = stacked[:, _NORM].amax()
+    return row
+
+
+def _rank_in(group: GroupKey) -> int:
+    """This rank's index in ``group`` (0 for none, or one of a single rank)."""
+    if group is None or group_size(group) <= 1:
+        return 0
+    return dist.get_group_rank(group, dist.get_rank())
 
 
 def _pad_to_width(part: torch.Tensor, width: int) -> torch.Tensor:
@@ -681,28 +759,6 @@ def _pad_to_width(part: torch.Tensor, width: int) -> torch.Tensor:
     if part.shape[0] == width:
         return part
     return torch.nn.functional.pad(part, (0, width - part.shape[0]))
-
-
-def _reduce_rows(
-    rows: Mapping[GroupKey, torch.Tensor], wanted: Wanted
-) -> dict[GroupKey, torch.Tensor]:
-    """Each group's row reduced over its group, in the agreed order.
-
-    One SUM of the whole row (flags summed: set when positive); for the inf-norm one MAX of all but
-    the zero count, then, with the zero count, one SUM of it."""
-    if not wanted.infinite:
-        return _reduce_each_group(rows, lambda row: row, dist.ReduceOp.SUM)
-    maxima = _reduce_each_group(
-        rows, lambda row: torch.cat([row[:_ZEROS], row[_ZEROS + 1 :]]), dist.ReduceOp.MAX
-    )
-    counts = (
-        _reduce_each_group(rows, lambda row: row[_ZEROS : _ZEROS + 1].clone(), dist.ReduceOp.SUM)
-        if wanted.zeros
-        else {group: row[_ZEROS : _ZEROS + 1] for group, row in rows.items()}
-    )
-    return {
-        group: torch.cat([maxima[group][:1], counts[group], maxima[group][1:]]) for group in rows
-    }
 
 
 def _reduce_each_group(
@@ -721,23 +777,6 @@ def _reduce_each_group(
     ):
         reduced[order[-1]] = row  # the group note_group_and_read_local() was given last
     return reduced
-
-
-def _reduce_block(block: torch.Tensor, group: ProcessGroup | None, wanted: Wanted) -> None:
-    """All-reduce ``block``'s rows in place over ``group`` (step 1 of :func:`reduce_shares`)."""
-    if group is None or group_size(group) <= 1:
-        return
-    if not wanted.infinite:
-        dist.all_reduce(block, op=dist.ReduceOp.SUM, group=group)
-        return
-    peaks = torch.cat([block[:, :_ZEROS], block[:, _ZEROS + 1 :]], dim=1)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
-    block[:, _NORM] = peaks[:, 0]
-    block[:, _ZEROS + 1 :] = peaks[:, 1:]
-    if wanted.zeros:
-        counts = block[:, _ZEROS].clone()
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-        block[:, _ZEROS] = counts
 
 
 def reduce_over_groups(

@@ -15,7 +15,7 @@ import abc
 import torch
 
 from pgregistry.grad_stats._arguments import Given, arguments_of_call
-from pgregistry.grad_stats._reductions import Reduced, Wanted
+from pgregistry.grad_stats._reductions import Reduced, Wanted, check_arguments_after
 
 
 class GradStatistics(abc.ABC):
@@ -38,8 +38,7 @@ class GradStatistics(abc.ABC):
         get a NaN norm instead of waiting in the all-reduce for it."""
         given = arguments_of_call(norm_type, None, clip=False)
         reduced = self.statistics(Wanted(given.p, zeros=zeros), given)
-        if given.refusal is not None:
-            raise given.refusal
+        check_arguments_after(reduced, given, f"{type(self).__name__}'s grad norm")
         return reduced
 
     def _grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

@@ -260,6 +260,6 @@ def _inf_norm_on_rank() -> float:
 
 
 def test_a_nan_reaches_every_rank_of_an_inf_norm() -> None:
-    """A MAX all-reduce may drop a NaN (gloo keeps whichever operand comes first): the inf-norm's NaN travels as a
-    flag, so both stages see it."""
+    """A MAX all-reduce may drop a NaN (gloo keeps whichever operand comes first): the inf-norm's maxima are gathered
+    by a SUM in a column per rank instead, a NaN with them, so both stages see it."""
     assert all(math.isnan(norm) for norm in run_world(2, _inf_norm_on_rank))
