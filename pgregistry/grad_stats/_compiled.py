@@ -40,7 +40,7 @@ _MODES: Final = ("auto", "off", "required")
 _SOURCE: Final = Path(__file__).with_name("_steady_checks.cpp")
 
 
-def _chosen_mode() -> str:
+def _mode_from_environment() -> str:
     """The mode :data:`ENV` asks for (``auto`` where unset), refused by name where unknown."""
     mode = os.environ.get(ENV, "auto") or "auto"
     if mode not in _MODES:
@@ -55,7 +55,7 @@ def steady_checks() -> ModuleType | None:
     ``None`` where :data:`ENV` is ``off``, or where the build fails under ``auto`` (a warning names
     the error); the build's error where it is ``required``. ``RuntimeError`` where the built module
     answers the probe wrongly."""
-    mode = _chosen_mode()
+    mode = _mode_from_environment()
     if mode == "off":
         return None
     try:
