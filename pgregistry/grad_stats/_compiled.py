@@ -28,6 +28,7 @@ import operator
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -38,6 +39,9 @@ __all__ = ["ENV", "steady_checks"]
 ENV: Final = "PGREGISTRY_COMPILED_CHECKS"
 _MODES: Final = ("auto", "off", "required")
 _SOURCE: Final = Path(__file__).with_name("_steady_checks.cpp")
+STALE_LOCK_S: Final = 300.0
+"""A build lock older than this was left by a build that died: a first build took 25-66 s on the
+2-core machine, loaded or not."""
 
 
 def _mode_from_environment() -> str:
@@ -90,13 +94,36 @@ def _build() -> ModuleType:
 
     source = _SOURCE.read_bytes()
     digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    name = f"pgregistry_steady_checks_{digest}"
+    _wait_for_other_builds(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
     with _ninja_on_path():
         return cpp_extension.load(
-            name=f"pgregistry_steady_checks_{digest}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O2"],
             verbose=False,
         )
+
+
+def _wait_for_other_builds(lock: Path) -> None:
+    """Wait while another process holds torch's build lock ``lock``; refuse a lock left by a build
+    that died.
+
+    torch takes that lock for every load, built or not, and waits for it without end: a process
+    killed while building (a job stopped in its first minute) leaves it, and every later process
+    would wait at its first grad statistic. A lock older than :data:`STALE_LOCK_S` is such a one:
+    ``RuntimeError`` naming it (``auto`` then runs the Python checks, with the warning)."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            raise RuntimeError(
+                f"{lock} is {age:.0f} s old: a build of pgregistry's compiled checks died holding "
+                "it, and torch would wait on it without end; remove it"
+            )
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,11 @@ wrong: what these tests check is what ``steady_checks`` does with each.
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -70,3 +74,38 @@ def test_a_build_that_answers_wrongly_is_refused(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_compiled, "_build", lambda: wrong)
     with pytest.raises(RuntimeError, match="answered wrongly: planned_pieces .the planned grad., planned_pieces"):
         _compiled.steady_checks()
+
+
+def test_a_lock_left_by_a_build_that_died_is_refused_by_name_not_waited_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torch waits without end for a build lock; a process killed while building leaves one, and every later
+    process would hang at its first grad statistic. The test's build folder is its own (``TORCH_EXTENSIONS_DIR``)."""
+    monkeypatch.setenv(_compiled.ENV, "required")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = _lock_of_this_build(tmp_path)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    old = time.time() - _compiled.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.raises(RuntimeError, match=rf"{lock} is \d+ s old: a build .* died holding it.*remove it"):
+        _compiled.steady_checks()
+
+
+def test_a_lock_released_while_waiting_lets_the_build_go_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(1.0, lock.unlink).start()
+    start = time.monotonic()
+    _compiled._wait_for_other_builds(lock)
+    assert 0.9 < time.monotonic() - start < 10
+
+
+def _lock_of_this_build(root: Path) -> Path:
+    import hashlib
+
+    import torch
+
+    source = _compiled._SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    return root / f"pgregistry_steady_checks_{digest}" / "lock"
