@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import operator
 import os
 import shutil
@@ -95,7 +96,11 @@ def _build() -> ModuleType:
     source = _SOURCE.read_bytes()
     digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
     name = f"pgregistry_steady_checks_{digest}"
-    _wait_for_other_builds(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    built = _import_built(name, folder / f"{name}.so")
+    if built is not None:
+        return built
+    _wait_for_other_builds(folder / "lock")
     with _ninja_on_path():
         return cpp_extension.load(
             name=name,
@@ -103,6 +108,27 @@ def _build() -> ModuleType:
             extra_cflags=["-O2"],
             verbose=False,
         )
+
+
+def _import_built(name: str, library: Path) -> ModuleType | None:
+    """The module ``name`` imported from ``library`` where a build left it, else ``None``.
+
+    Its name holds its source's hash and torch's version, so a library of that name is this build:
+    imported as torch's builder imports it, without its lock, which every process of a job would
+    otherwise take in turn at its first grad statistic (a rank killed while holding it leaves it
+    behind: :func:`_wait_for_other_builds`). A library that does not import (a build killed while
+    linking it) is left to torch's builder, which makes it again."""
+    if not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)  # an extension is opened here
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
 
 
 def _wait_for_other_builds(lock: Path) -> None:
