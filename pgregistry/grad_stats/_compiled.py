@@ -132,8 +132,7 @@ def _import_built(name: str, library: Path) -> ModuleType | None:
 
 
 def _wait_for_other_builds(lock: Path) -> None:
-    """Wait while another process holds torch's build lock ``lock``; refuse a lock left by a build
-    that died.
+    """Wait while another process holds torch's build lock ``lock``; refuse one a dead build left.
 
     torch takes that lock for every load, built or not, and waits for it without end: a process
     killed while building (a job stopped in its first minute) leaves it, and every later process
