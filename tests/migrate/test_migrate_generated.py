@@ -36,13 +36,18 @@ from fixtures.program_generator import generate_programs  # noqa: E402
 SEED = int(os.environ.get("PGREGISTRY_GENERATED_SEED", "20261207"))
 COUNT = int(os.environ.get("PGREGISTRY_GENERATED_PROGRAMS", "40"))
 _PER_PACKAGE = 100
-#: The grids of modes a to c (and d's collection), and d's global grid: each field's ranks differ between them.
+#: The grids of modes a to c (and d's collection), and d's global grid, by turns: most fields' ranks differ.
 #: A read of the global state the migration left in a program (not through the fallback helper).
 _DIRECT_READ = re.compile(
     r"\b(?:parallel_state|mpu|ps)\.(?:get|is)_\w+\(|(?<![.\w])(?:get_\w+_(?:group|rank|size|ranks)|is_pipeline_\w+)"
-    r"(?:_if_none)?\("
+    r"(?:_if_none)?\(|\buse_mpu_process_groups\("
 )
-_GRIDS = ({"tp": 2, "cp": 2}, {"pp": 2, "ep": 2})
+_GRIDS = (
+    ({"tp": 2, "cp": 2}, {"pp": 2, "ep": 2}),
+    ({"pp": 2, "ep": 2}, {"tp": 2, "cp": 2}),
+    ({"gtp": 2}, {"tp": 2, "cp": 2}),  # GTP remat: the data-parallel groups with and without it differ
+    ({"ep": 2, "egtp": 2}, {"pp": 2, "ep": 2}),
+)
 
 
 def _packages(root: Path) -> tuple[dict[str, Tree], list[Case]]:
@@ -56,7 +61,7 @@ def _packages(root: Path) -> tuple[dict[str, Tree], list[Case]]:
         trees[package] = Tree(package, root, package, installed=False, distributions={})
         for index, program in enumerate(generate_programs(SEED, min(_PER_PACKAGE, COUNT - start), start)):
             (root / package / f"{program.name}.py").write_text(program.source)
-            first, second = _GRIDS if index % 2 == 0 else _GRIDS[::-1]
+            first, second = _GRIDS[index % len(_GRIDS)]
             cases.append(Case(tree=package, module=f"{package}.{program.name}", function="entry",
                               call="fn(rank_tensor(4))", grid=first, second_grid=second, partial=program.partial,
                               label=",".join(program.shapes)))
