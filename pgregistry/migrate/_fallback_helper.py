@@ -6,13 +6,14 @@ Megatron-Core's ``parallel_state`` that the tool rewrote calls one of these, whe
     parallel_state.get_tensor_model_parallel_rank()  ->  pg_rank(pg_collection, "tp")
 
 A collection that holds the field answers (a field of ``None`` is an axis that is off: group
-``None``, rank 0, size 1; but see ``_MADE_SOMEWHERE``). Without one, or with one that lacks the
-field (built for other fields), the read is the original accessor's, called as the original code
-called it: the same group, the same values when torch.distributed is not initialised, the same
-exceptions; with a warning naming the function that read, once per function and field (every time
-under an ``error`` filter). With pgregistry installed the warning is its
-``ProcessGroupFallbackWarning`` (``-W error::pgregistry.ProcessGroupFallbackWarning`` finds every
-fallback); without it, this module's own.
+``None``, rank 0, size 1). Without one, or with one that lacks the field (built for other fields),
+the read is the original accessor's, called as the original code called it: the same group, the
+same values when torch.distributed is not initialised, the same exceptions; with a warning naming
+the function that read, once per function and field (every time under an ``error`` filter). With
+pgregistry installed the warning is its ``ProcessGroupFallbackWarning``
+(``-W error::pgregistry.ProcessGroupFallbackWarning`` finds every fallback); without it, this
+module's own. The ``None`` of a group Megatron-Core makes only on some ranks or settings is not
+an axis that is off but a group it did not make (``_MADE_SOMEWHERE``): the read falls back.
 
 Needs nothing but Python and Megatron-Core. The copy written into a tree imports Megatron-Core's
 ``parallel_state`` when it is imported itself (at its end): the rewritten files import it where
