@@ -2631,6 +2631,20 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/dtensor/test_dtensor_norm_types_that_differ.py::"
                "test_norm_types_that_differ_over_an_fsdp_shard_raise_on_every_rank",),
     ),
+    Mutant(
+        name="migrate-none-group-made-somewhere-taken-as-off",
+        bug="a Megatron-Core collection's None embedding, inter-instance or hierarchical CP group (a group "
+        "Megatron-Core did not make on this rank) is read as an axis that is off: None, where the accessor raised, "
+        "and a collective given it runs over the whole world",
+        file="pgregistry/migrate/_fallback_helper.py",
+        find="        return (held and group is not None), group",
+        replace="        return held, group",
+        tests=(
+            "tests/migrate/test_fallback_helper.py::"
+            "test_the_helper_reads_the_collections_field_else_exactly_what_the_accessor_returns",
+            "tests/migrate/test_migrate_generated.py::test_generated_programs_behave_as_their_originals",
+        ),
+    ),
 )
 
 

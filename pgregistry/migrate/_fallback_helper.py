@@ -12,7 +12,8 @@ same values when torch.distributed is not initialised, the same exceptions; with
 the function that read, once per function and field (every time under an ``error`` filter). With
 pgregistry installed the warning is its ``ProcessGroupFallbackWarning``
 (``-W error::pgregistry.ProcessGroupFallbackWarning`` finds every fallback); without it, this
-module's own.
+module's own. The ``None`` of a group Megatron-Core makes only on some ranks or settings is not
+an axis that is off but a group it did not make (``_MADE_SOMEWHERE``): the read falls back.
 
 Needs nothing but Python and Megatron-Core. The copy written into a tree imports Megatron-Core's
 ``parallel_state`` when it is imported itself (at its end): the rewritten files import it where
@@ -140,6 +141,12 @@ FALLBACKS: dict[tuple[str, str], tuple[str, dict[str, bool]]] = {
 #: holds it, but it is the collection's ``dp`` when the collection's ``gtp_remat`` is off or of one
 #: rank.
 _GTP_REMAT_DP = "dp_gtp_remat"
+#: Groups Megatron-Core makes only on some ranks or under some settings: the embedding groups on
+#: their stages, the inter-instance group with several optimizer instances, the hierarchical CP
+#: groups when asked for. Elsewhere the accessor raises ``AssertionError``, and Megatron-Core's
+#: ``ProcessGroupCollection`` holds ``None`` (it reads them with ``check_initialized=False``): not
+#: an axis that is off, so the read falls back to the accessor, which raises as before.
+_MADE_SOMEWHERE = ("embd", "pos_embd", "inter_dist_opt", "hcp")
 #: Kind ``group_if_none``: a read of Megatron-Core's fallback helper
 #: (``get_tensor_model_parallel_group_if_none(tp_group)`` ->
 #: ``tp_group if tp_group is not None else pg_read(c, "tp", "group_if_none")``), which falls back
@@ -225,6 +232,9 @@ def group_if_held(collection: Any, field: str) -> tuple[bool, Any]:
 
 
 def _from_collection(collection: Any, field: str) -> tuple[bool, Any]:
+    if field in _MADE_SOMEWHERE:
+        held, group = group_if_held(collection, field)
+        return (held and group is not None), group
     if field != _GTP_REMAT_DP:
         return group_if_held(collection, field)
     has_remat, remat = group_if_held(collection, "gtp_remat")

@@ -53,6 +53,15 @@ READS: dict[tuple[str, str], Callable[[], Any]] = {
     ("expt_tp", "group_if_none"): lambda: get_tensor_model_parallel_group_if_none(None, is_expert=True),
 }
 
+#: Groups Megatron-Core makes only on some ranks or settings: on a grid of two pipeline stages and one optimizer
+#: instance, without hierarchical CP, the accessors raise on the ranks (or settings) without one.
+MADE_SOMEWHERE: dict[tuple[str, str], Callable[[], Any]] = {
+    ("embd", "group"): lambda: ps.get_embedding_group(),
+    ("pos_embd", "group"): lambda: ps.get_position_embedding_group(),
+    ("inter_dist_opt", "group"): lambda: ps.get_inter_distributed_optimizer_instance_group(),
+    ("hcp", "group"): lambda: ps.get_hierarchical_context_parallel_groups(),
+}
+
 
 def _plain(value: Any) -> Any:
     import torch.distributed as dist
@@ -127,6 +136,12 @@ def _rank() -> dict[str, Any]:
                 ("tp", "group"), ("tp", "rank"), ("pp", "next_rank"), ("pp", "last_rank"), ("pp", "last_stage"),
                 ("cp", "group"), ("cp", "rank"), ("cp", "size"), ("cp", "global_ranks"), ("dp_gtp_remat", "rank"))}
             out["second warned"] = _warned(caught)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("ignore")
+            warnings.simplefilter("always", ProcessGroupFallbackWarning)
+            out["made somewhere"] = {key: _outcome(lambda key=key: _reader_of(*key, full)) for key in MADE_SOMEWHERE}
+            out["made somewhere warned"] = _warned(caught)
+        out["made somewhere oracle"] = {key: _outcome(read) for key, read in MADE_SOMEWHERE.items()}
         one_rank_remat = ProcessGroupCollection(dp=second_pp, gtp_remat=None)
         with warnings.catch_warnings():
             warnings.simplefilter("error", ProcessGroupFallbackWarning)
@@ -163,6 +178,14 @@ def test_the_helper_reads_the_collections_field_else_exactly_what_the_accessor_r
         assert out["second warned"] == [f"'dp_gtp_remat' {__name__}._reader_of"]
         # GTP remat off: the collection's dp is that group
         assert out["remat off"] == ("group", second_pp)
+        # Megatron-Core's collection holds None for a group it did not make here (use_mpu_process_groups reads
+        # them with check_initialized=False): not an axis that is off, but the accessor's AssertionError, with the
+        # warning; the made ones answer from the collection
+        made = out["made somewhere oracle"]
+        assert out["made somewhere"] == made, rank
+        raised = sorted(f"'{field}'" for (field, _), outcome in made.items() if outcome[0] == "raised")
+        assert raised == (["'hcp'", "'inter_dist_opt'"] if rank < 2 else ["'hcp'", "'inter_dist_opt'", "'pos_embd'"])
+        assert out["made somewhere warned"] == [f"{field} {__name__}._reader_of" for field in raised], rank
 
 
 def test_without_torch_distributed_the_accessors_own_values_and_exceptions_are_kept() -> None:
