@@ -10,8 +10,10 @@ two to the same answers.
 
 Built with torch's own C++ extension builder (a C++ compiler and ``ninja``, ``pip install
 pgregistry[compiled]``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under
-``~/.cache/torch_extensions``): about 25 s the first time on a machine, a few milliseconds after.
-Ranks of one machine building at once wait for one build (torch locks the build folder).
+``~/.cache/torch_extensions``): 22-66 s the first time on a machine (the 2-core machine, idle and
+loaded), then imported directly, without torch's build lock (:func:`_import_built`). Ranks of one
+machine building at once wait for one build (torch locks the build folder; a lock left by a build
+that died is refused by name, :func:`_wait_for_other_builds`).
 
 ``PGREGISTRY_COMPILED_CHECKS`` chooses: ``auto`` (unset: build where a compiler and ninja are, else
 the Python checks, with a warning saying why), ``off`` (the Python checks), ``required`` (raise
