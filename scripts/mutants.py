@@ -279,11 +279,9 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pgregistry/grad_stats/_plan.py",
         find="        _DTYPE,  # a grad of another dtype",
         replace="        torch.Tensor.numel,  # a grad of another dtype",
-        tests=(
+        tests=(  # the Python reads' test (the compiled facts have their own mutant)
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
-            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[dtype]",
-            "tests/grad_stats/test_fused_stats.py::"
-            "test_a_grad_of_another_dtype_at_the_planned_address_is_read_in_its_dtype",
+            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[python-dtype]",
         ),
     ),
     Mutant(
@@ -295,7 +293,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replace='_KIND_READS: Final = (operator.attrgetter("device"),)',
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
-            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[shape]",
+            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[python-shape]",
         ),
     ),
     Mutant(
@@ -2643,6 +2641,35 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/migrate/test_fallback_helper.py::"
             "test_the_helper_reads_the_collections_field_else_exactly_what_the_accessor_returns",
             "tests/migrate/test_migrate_generated.py::test_generated_programs_behave_as_their_originals",
+        ),
+    ),    Mutant(
+        name="compiled-facts-read-every-grad-as-float32",
+        bug="the compiled piece facts give every grad the dtype float32: a grad made float64 (or bf16) at a planned "
+        "float32 grad's address keeps the kinds, and is read at float32 offsets",
+        file="pgregistry/grad_stats/_steady_checks.cpp",
+        find="torch::getTHPDtype(tensor.scalar_type())",
+        replace="torch::getTHPDtype(at::kFloat)",
+        tests=(
+            "tests/grad_stats/test_compiled_checks_agree_with_python.py::"
+            "test_the_compiled_piece_facts_are_the_python_ones",
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[compiled-dtype]",
+            "tests/grad_stats/test_fused_stats.py::"
+            "test_a_grad_of_another_dtype_at_the_planned_address_is_read_in_its_dtype",
+        ),
+    ),
+    Mutant(
+        name="compiled-kind-facts-skip-the-shape",
+        bug="the compiled kind facts give no shape: new grads of another trailing shape at new addresses keep the "
+        "host blocks, which concatenate small grads by trailing shape",
+        file="pgregistry/grad_stats/_steady_checks.cpp",
+        find="    facts.append(shape_of(tensor));",
+        replace="    facts.append(py::none());",
+        tests=(
+            "tests/grad_stats/test_compiled_checks_agree_with_python.py::"
+            "test_the_compiled_piece_facts_are_the_python_ones",
+            "tests/grad_stats/test_grad_stats_kept_plan.py::"
+            "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[compiled-shape]",
         ),
     ),
 )
