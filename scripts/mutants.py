@@ -164,8 +164,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a kept classification compares the parameter set's objects but not where the stream ends: the last "
         "module's last parameter removed goes unseen",
         file="pgregistry/grad_stats/_plan.py",
-        find="self._held_views = [*(holder.values() for holder in holders if holder), (_END,)]",
-        replace="self._held_views = [holder.values() for holder in holders if holder]",
+        find="self._held_views = [*(holder.values() for holder in self._full_holders), (_END,)]",
+        replace="self._held_views = [holder.values() for holder in self._full_holders]",
         tests=(
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_parameter_removed_or_added_at_the_end_of_the_parameter_set_is_seen",

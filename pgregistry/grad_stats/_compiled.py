@@ -37,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Final
 
-__all__ = ["ENV", "steady_checks"]
+__all__ = ["ENV", "STALE_LOCK_S", "library_name", "steady_checks"]
 
 ENV: Final = "PGREGISTRY_COMPILED_CHECKS"
 _MODES: Final = ("auto", "off", "required")
@@ -92,12 +92,9 @@ def _build() -> ModuleType:
     Named by a hash of the source and torch's version: two copies of pgregistry that differ (a
     newer release, a planted bug in ``scripts/mutants.py``'s copy) or two torches never share a
     build, so none loads what another built."""
-    import torch
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
-    name = f"pgregistry_steady_checks_{digest}"
+    name = library_name()
     folder = Path(cpp_extension._get_build_directory(name, verbose=False))
     built = _import_built(name, folder / f"{name}.so")
     if built is not None:
@@ -110,6 +107,14 @@ def _build() -> ModuleType:
             extra_cflags=["-O2"],
             verbose=False,
         )
+
+
+def library_name() -> str:
+    """The build's name: a hash of :data:`_SOURCE` and torch's version (see :func:`_build`)."""
+    import torch
+
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    return f"pgregistry_steady_checks_{digest}"
 
 
 def _import_built(name: str, library: Path) -> ModuleType | None:

@@ -750,7 +750,7 @@ class Kept:
         self._full_holders = [holder for holder in holders if holder]
         self._checks: ModuleType | None = None  # decided once the roles' dictionaries are known
         # live: made once, read each call; the end marker last (_same_stream)
-        self._held_views = [*(holder.values() for holder in holders if holder), (_END,)]
+        self._held_views = [*(holder.values() for holder in self._full_holders), (_END,)]
         self._held = list(self._current_holder_contents())
         self._tensor_refs: list[weakref.ref[Any]] | None = None
         self._take_params: Callable[[Sequence[Any]], list[Any]] | None = None

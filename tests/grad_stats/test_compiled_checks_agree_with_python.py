@@ -28,7 +28,7 @@ OFF = ProcessGroupCollection(**dict.fromkeys(FIELD_NAMES))
 
 
 @pytest.fixture(autouse=True)
-def _compiled_checks_built() -> None:
+def _skip_without_compiled_checks() -> None:
     if steady_checks() is None:
         pytest.skip("the compiled checks are not built here (PGREGISTRY_COMPILED_CHECKS, or no compiler or ninja)")
 

@@ -83,7 +83,7 @@ def test_a_lock_left_by_a_build_that_died_is_refused_by_name_not_waited_on(
     process would hang at its first grad statistic. The test's build folder is its own (``TORCH_EXTENSIONS_DIR``)."""
     monkeypatch.setenv(_compiled.ENV, "required")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = _lock_of_this_build(tmp_path)
+    lock = tmp_path / _compiled.library_name() / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
     old = time.time() - _compiled.STALE_LOCK_S - 60
@@ -99,28 +99,3 @@ def test_a_lock_released_while_waiting_lets_the_build_go_on(monkeypatch: pytest.
     start = time.monotonic()
     _compiled._wait_for_other_builds(lock)
     assert 0.9 < time.monotonic() - start < 10
-
-
-def _lock_of_this_build(root: Path) -> Path:
-    import hashlib
-
-    import torch
-
-    source = _compiled._SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
-    return root / f"pgregistry_steady_checks_{digest}" / "lock"
-
-
-def test_a_built_library_is_imported_without_the_lock_and_a_broken_one_is_left_to_the_builder(tmp_path: Path) -> None:
-    """Once built, the checks load without torch's build lock (which a rank killed while holding it would leave
-    behind); a library that does not import (a build killed while linking) is not used."""
-    assert _compiled._import_built("pgregistry_steady_checks_missing", tmp_path / "missing.so") is None
-    broken = tmp_path / "pgregistry_steady_checks_broken.so"
-    broken.write_bytes(b"not a library")
-    assert _compiled._import_built("pgregistry_steady_checks_broken", broken) is None
-    built = _compiled.steady_checks()
-    if built is None:
-        pytest.skip("the compiled checks are not built here")
-    library = Path(built.__file__)
-    again = _compiled._import_built(built.__name__, library)
-    assert again is not None and callable(again.planned_pieces)
