@@ -99,3 +99,18 @@ def test_a_lock_released_while_waiting_lets_the_build_go_on(monkeypatch: pytest.
     start = time.monotonic()
     _compiled._wait_for_other_builds(lock)
     assert 0.9 < time.monotonic() - start < 10
+
+
+def test_a_built_library_is_imported_without_the_lock_and_a_broken_one_is_left_to_the_builder(tmp_path: Path) -> None:
+    """Once built, the checks load without torch's build lock (which a rank killed while holding it would leave
+    behind); a library that does not import (a build killed while linking) is not used."""
+    assert _compiled._import_built("pgregistry_steady_checks_missing", tmp_path / "missing.so") is None
+    broken = tmp_path / "pgregistry_steady_checks_broken.so"
+    broken.write_bytes(b"not a library")
+    assert _compiled._import_built("pgregistry_steady_checks_broken", broken) is None
+    built = _compiled.steady_checks()
+    if built is None:
+        pytest.skip("the compiled checks are not built here")
+    library = Path(built.__file__)
+    again = _compiled._import_built(built.__name__, library)
+    assert again is not None and callable(again.planned_pieces)
