@@ -25,8 +25,10 @@ __all__ = [
     "grad_reads",
     "grad_reads_unchecked",
     "host_floor",
+    "host_floor_runs",
     "host_median",
     "measure",
+    "measure_runs",
     "norm64",
     "selected_device",
     "tensor_sizes",
@@ -65,6 +67,15 @@ def measure(
     ``prepare``, when given, runs before every call of ``fn`` (warm-up calls too) outside its timing: on CUDA the
     stream is synchronized after it, so none of its device work runs under ``fn``'s bracket and ``fn``'s host work
     hides under none of it."""
+    times, peak = measure_runs(fn, device, warmup, repeat, prepare)
+    return statistics.median(times), peak
+
+
+def measure_runs(
+    fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int, prepare: Callable[[], Any] | None = None
+) -> tuple[list[float], float | None]:
+    """Each of ``repeat`` runs' milliseconds, as :func:`measure` times them, and its peak MiB: for a caller that
+    interleaves these runs with other timings (a floor measured under the same load) and takes one median of all."""
     for _ in range(warmup):
         if prepare is not None:
             prepare()
@@ -77,7 +88,7 @@ def measure(
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times), None
+        return times, None
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -91,7 +102,7 @@ def measure(
         end.record()
     torch.cuda.synchronize(device)
     peak = (torch.cuda.max_memory_allocated(device) - before) / MiB
-    return statistics.median(s.elapsed_time(e) for s, e in events), peak
+    return [s.elapsed_time(e) for s, e in events], peak
 
 
 def host_median(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
@@ -119,17 +130,23 @@ def host_floor(params: Sequence[torch.Tensor], warmup: int, repeat: int) -> floa
     check, no read of anything else). Both ways of reading them (:func:`grad_reads`, :func:`grad_reads_unchecked`)
     are timed, interleaved run by run so that both see the same load, and the lesser median is the floor: it
     depends on no implementation's choice."""
+    return min(statistics.median(runs) for runs in host_floor_runs(params, warmup, repeat))
+
+
+def host_floor_runs(params: Sequence[torch.Tensor], warmup: int, repeat: int) -> tuple[list[float], list[float]]:
+    """The runs :func:`host_floor` takes its medians of, one list a way, in milliseconds: for a caller that
+    interleaves them with other timings and takes the lesser median of each way's runs over all."""
     ways = (grad_reads, grad_reads_unchecked)
     for _ in range(warmup):
         for way in ways:
             way(params)
-    times: list[list[float]] = [[] for _ in ways]
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
         for way, runs in zip(ways, times, strict=True):
             start = time.perf_counter()
             way(params)
             runs.append((time.perf_counter() - start) * 1e3)
-    return min(statistics.median(runs) for runs in times)
+    return times
 
 
 _GRAD = operator.attrgetter("grad")

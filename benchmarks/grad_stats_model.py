@@ -55,8 +55,8 @@ Floors, measured in the same run and stated in the output:
   Python at C speed (``map`` over a parameter list built beforehand; torch's ``clip_grad_norm_`` starts with that
   too), nothing else: no walk of the model, no check of a kept plan, no address, no launch. Timed two ways (the
   getter as is, and with the ``__torch_function__`` question of ``nn.Parameter`` off), interleaved, and the lesser
-  median taken (``benchmarks.common.host_floor``), so it is no implementation's own reads; measured again right
-  after each row's calls (a loaded host's speed drifts between rows).
+  median taken (``benchmarks.common.host_floor``), so it is no implementation's own reads; measured between each
+  row's own runs (in rounds: a loaded host's speed drifts within seconds).
 
 A row that makes two calls has twice each floor. Each row prints its ratio to the larger floor, torch's too.
 
@@ -105,7 +105,8 @@ from benchmarks.common import (  # noqa: E402
     fill_,
     finish,
     host_floor,
-    measure,
+    host_floor_runs,
+    measure_runs,
     norm64,
     selected_device,
     tensor_sizes,
@@ -342,22 +343,23 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
     problems: list[str] = []
     for row in rows:
         times = {}
+        floors: tuple[list[float], list[float]] = ([], [])
         for who in ("torch", "pgregistry"):  # one after the other: the scaling rows' calls each follow their own
             torch._foreach_copy_(grads, saved)
             if row.new_grads is None:
-                times[who] = measure(row.recorded(who), device, args.warmup, args.repeat)[0]
+                times[who] = timed_beside_floor(row.recorded(who), params, floors, device, args)
                 problems += check_row(row, who, grads, (norm, zeros), tolerance)
                 continue
             found: list[str] = []
             row.new_grads.check_call = lambda row=row, who=who, found=found: found.extend(
                 check_new_grads_call(row, who, model, row.new_grads, (norm, zeros), tolerance))
-            times[who] = measure(row.recorded(who), device, args.warmup, args.repeat, prepare=row.new_grads)[0]
+            times[who] = timed_beside_floor(row.recorded(who), params, floors, device, args, prepare=row.new_grads)
             row.new_grads.check_call()
             row.new_grads.check_call, row.new_grads.grads = None, []
             for param, grad in zip(params, grads, strict=True):  # the benchmark's own grads back, for the next rows
                 param.grad = grad
             problems += found[:1]  # the first problem found: every later call would repeat it
-        one_call = host_floor(params, args.warmup, args.repeat)
+        one_call = min(statistics.median(runs) for runs in floors)
         results[row.label] = {
             **times,
             "bytes": row.calls * row.moves * nbytes / bandwidth * 1e3,
@@ -368,6 +370,27 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
     return {"count": count, "bytes": nbytes, "results": results, "problems": problems, "kept": per_param,
             "bandwidth": bandwidth, "oracle": (norm, zeros),
             "new grads": (new_grads.at_old_address, new_grads.given)}
+
+
+ROUNDS = 4
+"""The rounds each row's timed runs are cut into, each followed by as many runs of the host floor."""
+
+
+def timed_beside_floor(fn: Callable[[], Any], params: list[nn.Parameter], floors: tuple[list[float], list[float]],
+                       device: torch.device, args: argparse.Namespace,
+                       prepare: Callable[[], Any] | None = None) -> float:
+    """The median milliseconds of ``fn`` over ``--repeat`` runs (rounded up to whole rounds) after ``--warmup``, in
+    :data:`ROUNDS` rounds, each followed by as many runs of the host floor, added to ``floors`` (one list a way of
+    reading the grads, ``benchmarks.common.host_floor_runs``). A loaded host's speed drifts within seconds: timed
+    once after each row, the floor moved between 2.3 and 3.7 ms from row to row of one H100 run at 20,000
+    parameters; timed between the row's own runs, the row and its floor see the same host."""
+    per_round = -(-args.repeat // ROUNDS)
+    runs: list[float] = []
+    for index in range(ROUNDS):
+        runs += measure_runs(fn, device, args.warmup if index == 0 else 0, per_round, prepare)[0]
+        for mine, new in zip(floors, host_floor_runs(params, 0, per_round), strict=True):
+            mine += new
+    return statistics.median(runs)
 
 
 def check_new_grads_call(
