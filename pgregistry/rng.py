@@ -360,6 +360,17 @@ def get_rng_tracker() -> RNGStatesTracker:
 
     Returns:
         The one :class:`RNGStatesTracker` :func:`model_parallel_manual_seed` seeds by default.
+
+    Example:
+        On a rank of a gloo world (one rank, as :func:`pgregistry.testing.run_world` starts it):
+
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> _ = model_parallel_manual_seed(1234, build(ParallelLayout(num_ranks=1)))
+        >>> get_rng_tracker().seeds()["model-parallel-rng"]  # 1234 + 2718 + the TP rank
+        3952
+        >>> with get_rng_tracker().fork():  # dropout inside a TP region draws from this stream
+        ...     mask = torch.nn.functional.dropout(torch.ones(4), p=0.5)
     """
     return _default_tracker
 

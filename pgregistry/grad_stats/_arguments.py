@@ -11,7 +11,8 @@ forms return the fault instead of raising it, for callers that agree on it acros
 A fault on some ranks only must not leave the others waiting in the norm's reduction, nor may ranks
 given different ``max_norm`` or ``norm_type`` values clip by different coefficients:
 :func:`arguments_of_call` holds a rank's fault instead of raising it, the rank joins the reduction
-with it, and :func:`agreement_columns` puts what it was given in the verdict the clip reduces anyway
+with it, and :func:`agreement_columns` puts what it was given at the end of every reduction row with
+peers, a plain norm's too (``max_norm`` 0.0), and in a clip's verdict: rows the call reduces anyway
 (no collective more); :class:`Agreement` reads the result (see its docstring for what each rank
 does).
 """
@@ -227,16 +228,16 @@ AGREEMENT_WIDTH_MAX: Final = 1 + 2 * len(ARGUMENTS)
 def agreement_columns(
     max_norm: float | None, norm_type: float, summed: bool, device: torch.device
 ) -> torch.Tensor:
-    """What a rank was given to clip with, as columns of the verdict (float64, on ``device``).
+    """What a rank was given, as columns of its rows and a clip's verdict (float64, on ``device``).
 
-    ``max_norm`` ``None`` is a refusal (of either argument). Summed over ``n`` ranks (a row reduced
-    with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 16 bytes of the two arguments' float64
-    bits: every rank was given the same bits exactly when each byte's ``n * sum(c**2) ==
-    sum(c)**2`` (equal terms, by Cauchy-Schwarz); every sum is a whole number below 2**53, the test
-    exact for ``n`` up to 2**23. Reduced with MAX: ``[refused, max_norm, norm_type, -max_norm,
-    -norm_type]`` (``-inf`` but the flag where refused): the largest and the negated smallest. Made
-    once per value and device, so a clip called every step with the same arguments adds no
-    operation but the concatenation (no copy to the device)."""
+    ``max_norm`` ``None`` is a refusal (of either argument), 0.0 a plain norm's (no clip). Summed
+    over ``n`` ranks (a row reduced with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 16 bytes
+    of the two arguments' float64 bits: every rank was given the same bits exactly when each byte's
+    ``n * sum(c**2) == sum(c)**2`` (equal terms, by Cauchy-Schwarz); every sum is a whole number
+    below 2**53, the test exact for ``n`` up to 2**23. Reduced with MAX: ``[refused, max_norm,
+    norm_type, -max_norm, -norm_type]`` (``-inf`` but the flag where refused): the largest and the
+    negated smallest. Made once per value and device, so a clip called every step with the same
+    arguments adds no operation but the concatenation (no copy to the device)."""
     if summed:
         if max_norm is None:
             values = [1.0] + [0.0] * (2 * _BYTES)
@@ -252,7 +253,7 @@ def agreement_columns(
 
 @attrs.frozen(slots=True)
 class Agreement:
-    """The clip's arguments reduced over every rank holding grads: was one refused, do they differ.
+    """A call's arguments reduced over every rank holding grads: was one refused, do they differ.
 
     ``columns`` are :func:`agreement_columns` reduced: the summed form over a group of ``ranks``
     ranks, or the maximum's form (``ranks`` 0). Where either holds, the norm is NaN on every rank

@@ -22,6 +22,13 @@ def backend_device(group: ProcessGroup | None) -> torch.device:
 
     Returns:
         The device.
+
+    Example:
+        On a rank of a gloo world (one rank, as :func:`pgregistry.testing.run_world` starts it):
+
+        >>> import torch.distributed as dist
+        >>> backend_device(dist.group.WORLD)  # on an NCCL group: this rank's current CUDA device
+        device(type='cpu')
     """
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
@@ -40,6 +47,11 @@ def reduction_device(
     Returns:
         The first grad's device; with no grads on this rank, the device the first NCCL group among
         ``groups`` needs (``None`` skipped), else CPU.
+
+    Example:
+        >>> import torch
+        >>> reduction_device([torch.zeros(2)], [None]), reduction_device([], [None])
+        (device(type='cpu'), device(type='cpu'))
     """
     for grad in grads:
         return grad.device

@@ -180,6 +180,11 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
 
     Raises:
         ValueError, TypeError: as :func:`norm_of_grads`.
+
+    Example:
+        >>> import torch
+        >>> zeros_of_grads({None: [torch.tensor([0.0, 1.0]), torch.zeros(3)]})  # None: axis off
+        tensor(4)
     """
     kinds_by_group = _kinds_by_group_checked(grads_by_group)
     zeros = reduce_shares(

@@ -796,6 +796,14 @@ def reduce_over_groups(
 
     Yields:
         Each group's reduced share, in the agreed order; its collective is issued as it is drawn.
+
+    Example:
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> def summed(items: list[float]) -> torch.Tensor:
+        ...     return torch.tensor(sum(items))
+        >>> list(reduce_over_groups({None: [3.0, 4.0]}, summed, dist.ReduceOp.SUM))  # None: no peer
+        [tensor(7.)]
     """
     for group, items in _in_collective_order(items_by_group):
         share = local(items)

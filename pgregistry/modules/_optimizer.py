@@ -14,8 +14,9 @@ chained, with job-wide statistics and a job-wide verdict on whether to step. Wha
   success with a MIN; pgregistry's optimizers keep no loss scale, so the norm is the whole verdict,
   and a step cannot fail on one rank alone);
 * the modules, their spans and what each rank was given are agreed on by every rank when the
-  optimizer is made (:mod:`pgregistry.modules._agreement`): a rank that lists other modules, or
-  holds an optimizer for a module it does not run (or none for one it runs), raises on every rank.
+  optimizer is made (:func:`~pgregistry._runtime.agreement.check_agreement`): a rank that lists
+  other modules, or holds an optimizer for a module it does not run (or none for one it runs),
+  raises on every rank.
 
 A training step::
 

@@ -22,7 +22,7 @@ then look finite); module norms are combined in float64, scaled by the largest, 
 overflows (each module's own norm is :mod:`pgregistry.grad_stats`'s, in its grads' precision), and
 the job-wide norm is float64 on every rank when any module's is (float64 grads: a norm beyond
 float32's range stays finite where it was clipped by), float32 otherwise; and every rank agrees on
-the modules, their spans and the call's options first (:mod:`~pgregistry.modules._agreement`), so a
+the modules, their spans and the call's options first (:func:`_agree_on_models`), so a
 rank that lists other modules, or was given a model for a module it does not run (or none for one it
 runs), raises on every rank instead of leaving a module's ranks waiting.
 """

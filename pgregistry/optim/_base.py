@@ -162,6 +162,25 @@ class FlatOptimizer(OptimizerStatistics):
     buffer (a rebuild does, on purpose): from then on this one's statistics, clipping,
     ``sync_grads``, ``step`` and ``zero_grad`` raise ``RuntimeError`` naming the parameter; its
     ``state_dict`` still reads (to carry the state over).
+
+    Example:
+        On a rank of a gloo world (one rank, as :func:`pgregistry.testing.run_world` starts it):
+
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.optim import MixedPrecisionOptimizer, inner_factory
+        >>> from pgregistry.optim import setup_process_groups_for_optimizer
+        >>> groups = setup_process_groups_for_optimizer(build(ParallelLayout(num_ranks=1)))
+        >>> model = torch.nn.Linear(2, 1)
+        >>> sgd = inner_factory("sgd", lr=0.1)
+        >>> optimizer = MixedPrecisionOptimizer(model.parameters(), groups, inner=sgd)
+        >>> isinstance(optimizer, FlatOptimizer)
+        True
+        >>> model(torch.ones(1, 2)).sum().backward()  # grads: (1, 1) for the weight, 1 for the bias
+        >>> optimizer.sync_grads()
+        >>> optimizer.clip_grad_norm(1.0)  # the norm before clipping: sqrt(3)
+        tensor(1.7321)
+        >>> optimizer.step()
     """
 
     def __init__(

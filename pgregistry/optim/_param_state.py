@@ -193,6 +193,15 @@ def as_param_state_optimizer(
 
     Raises:
         TypeError: ``optimizer`` is neither (its type named).
+
+    Example:
+        >>> import torch
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> sgd = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+        >>> weight.grad = torch.ones(2)
+        >>> sgd.step()
+        >>> as_param_state_optimizer(sgd).param_state()[weight]  # keyed by the parameter itself
+        {'momentum_buffer': tensor([1., 1.])}
     """
     if isinstance(optimizer, ParamStateOptimizer):
         return optimizer

@@ -8,8 +8,10 @@ records; ``pgregistry.params`` marks a tensor made in the example), checks of a 
 (``pgregistry.mesh``, ``pgregistry.testing``), names or lookups on small models and collections
 assembled by hand (``pgregistry.attachments``, the grad statistics' groups and filters, the
 collection ``pgregistry.doors`` is given), a warning caught (``pgregistry.fallback``) or this
-process's state (``pgregistry.recovery``'s generation); the examples that need a world are code
-blocks (``Example::``), not doctests.
+process's state (``pgregistry.recovery``'s generation), grads and shares of groups that are off
+(``None``: no collective), a torch optimizer's state. The doctests of ``EXAMPLES_IN_A_WORLD`` need
+the default process group: they run on the one rank of a gloo world instead (their docstrings say
+so); the other examples that need a world are code blocks (``Example::``), not doctests.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import io
 
 import pytest
 
+from pgregistry.testing import run_world
+
 MODULES_WITH_EXAMPLES = (
     "pgregistry.attachments",
     "pgregistry.audit",
@@ -28,9 +32,13 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.experts._keys",
     "pgregistry.experts._names",
     "pgregistry.fallback",
+    "pgregistry.grad_stats._devices",
     "pgregistry.grad_stats._filters",
+    "pgregistry.grad_stats._lists",
+    "pgregistry.grad_stats._reductions",
     "pgregistry.layout",
     "pgregistry.mesh",
+    "pgregistry.optim._param_state",
     "pgregistry.params",
     "pgregistry.placement",
     "pgregistry.recovery",
@@ -38,14 +46,50 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.testing",
 )
 
+EXAMPLES_IN_A_WORLD = (
+    "pgregistry.grad_stats._devices.backend_device",
+    "pgregistry.optim._base.FlatOptimizer",
+    "pgregistry.rng.get_rng_tracker",
+)
+"""The objects whose doctests need the default process group, by dotted name."""
+
+
+def _needs_a_world(test: doctest.DocTest) -> bool:
+    return any(
+        test.name == name or test.name.startswith(f"{name}.") for name in EXAMPLES_IN_A_WORLD
+    )
+
 
 @pytest.mark.parametrize("name", MODULES_WITH_EXAMPLES)
 def test_the_docstring_examples_print_what_they_show(name: str) -> None:
     module = importlib.import_module(name)
     report = io.StringIO()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    tests = [test for test in doctest.DocTestFinder().find(module) if test.examples]
-    assert tests, f"{name} has no docstring example"
-    for test in tests:
-        runner.run(test, out=report.write)
+    found = [test for test in doctest.DocTestFinder().find(module) if test.examples]
+    assert found, f"{name} has no docstring example"
+    for test in found:
+        if not _needs_a_world(test):
+            runner.run(test, out=report.write)
     assert runner.failures == 0, report.getvalue()
+
+
+def _run_examples_of(names: tuple[str, ...]) -> tuple[dict[str, int], int, str]:
+    """Each name's count of examples, the failures and their report, run on this rank."""
+    report = io.StringIO()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    counts = {}
+    for name in names:
+        module_name, attribute = name.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        found = doctest.DocTestFinder().find(getattr(module, attribute), name, module=module)
+        counts[name] = sum(len(test.examples) for test in found)
+        for test in found:
+            runner.run(test, out=report.write)
+    return counts, runner.failures, report.getvalue()
+
+
+def test_the_examples_that_need_a_world_print_what_they_show_on_a_rank_of_one() -> None:
+    (outcome,) = run_world(1, _run_examples_of, EXAMPLES_IN_A_WORLD, timeout=60)
+    counts, failures, report = outcome
+    assert all(counts.values()), f"no docstring example: {counts}"
+    assert failures == 0, report
