@@ -196,6 +196,14 @@ def _require_right_answers(module: ModuleType) -> None:
         "same_holders (one more)": not module.same_holders([{}], [held], [end]),
         "same_roles (the same)": module.same_roles([{}], [{}], [[{"k": 1}]], ("k",), [[1]]),
         "same_roles (another value)": not module.same_roles([], [], [[{"k": 1}]], ("k",), [[2]]),
+        "moved_kept_kinds (the same)": module.moved_kept_kinds(
+            [grad], [True], [grad.device, grad.shape]
+        )
+        is True,
+        "moved_kept_kinds (another shape)": module.moved_kept_kinds(
+            [grad], [True], [grad.device, torch.Size([1, 2])]
+        )
+        is False,
     }
     wrong = [question for question, right in answers.items() if not right]
     if wrong:

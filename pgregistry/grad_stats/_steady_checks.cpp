@@ -247,6 +247,48 @@ py::object kind_facts(const py::list& tensors) {
   return facts;
 }
 
+// Whether every tensor of `tensors` that `moved` flags (a list of bools, one a tensor) has the
+// device and shape `held` gives for it (the flat list kind_facts made when the kinds were planned,
+// a device and a torch.Size a tensor): _plan._moved_kept_their_kinds's answer, read without making
+// a device or a shape. None where a flagged tensor is not a plain torch.Tensor, or `held` does not
+// hold a device and a torch.Size where one is due (the Python reads then decide).
+py::object moved_kept_kinds(const py::list& tensors, const py::list& moved, const py::list& held) {
+  const Py_ssize_t count = PyList_GET_SIZE(tensors.ptr());
+  if (PyList_GET_SIZE(moved.ptr()) != count || PyList_GET_SIZE(held.ptr()) != 2 * count) {
+    throw py::value_error("moved takes one flag a tensor and held two facts a tensor");
+  }
+  for (Py_ssize_t index = 0; index < count; ++index) {
+    if (PyList_GET_ITEM(moved.ptr(), index) != Py_True) {
+      continue;
+    }
+    PyObject* item = PyList_GET_ITEM(tensors.ptr(), index);
+    PyObject* device = PyList_GET_ITEM(held.ptr(), 2 * index);
+    PyObject* shape = PyList_GET_ITEM(held.ptr(), 2 * index + 1);
+    if (!THPVariable_CheckExact(item) || !THPDevice_Check(device) ||
+        !THPSize_Check(shape)) {
+      return py::none();
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(item);
+    if (reinterpret_cast<THPDevice*>(device)->device != tensor.device()) {
+      return py::bool_(false);
+    }
+    const auto sizes = tensor.sizes();
+    if (PyTuple_GET_SIZE(shape) != static_cast<Py_ssize_t>(sizes.size())) {
+      return py::bool_(false);
+    }
+    for (size_t dim = 0; dim < sizes.size(); ++dim) {
+      const long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, dim));
+      if (size == -1 && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      if (size != sizes[dim]) {
+        return py::bool_(false);
+      }
+    }
+  }
+  return py::bool_(true);
+}
+
 // Each grad of `grads` (None or a tensor) as one row of a contiguous int64 CPU tensor: its tensor's
 // address (Tensor._cdata; 0 for None) and its data's (0 for None), for planned_pieces.
 at::Tensor planned_rows(const py::list& grads) {
@@ -274,6 +316,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("piece_facts", &piece_facts, py::arg("tensors"), py::arg("contiguity"));
   module.def("kind_facts", &kind_facts, py::arg("tensors"));
   module.def("planned_rows", &planned_rows, py::arg("grads"));
+  module.def(
+      "moved_kept_kinds",
+      &moved_kept_kinds,
+      py::arg("tensors"),
+      py::arg("moved"),
+      py::arg("held"));
   module.def("same_holders", &same_holders, py::arg("empty"), py::arg("dicts"), py::arg("held"));
   module.def(
       "same_roles",

@@ -194,6 +194,43 @@ def test_the_compiled_piece_facts_are_the_python_ones(contiguity: bool) -> None:
     assert [type(fact) for fact in checks.kind_facts(pieces)[1::2]] == [torch.Size] * len(pieces)
 
 
+def _moved_kinds_in_python(pieces: list[torch.Tensor], moved: list[bool], held: list[Any]) -> bool:
+    """The Python answer of the moved pieces' kinds, written here from its definition (no compiled pass)."""
+    return all(
+        (piece.device, piece.shape) == (held[2 * index], held[2 * index + 1])
+        for index, (piece, flagged) in enumerate(zip(pieces, moved, strict=True))
+        if flagged
+    )
+
+
+def test_the_compiled_moved_kinds_are_the_python_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each moved piece's device and shape compared where they lie, against the kind facts of the plan: the same
+    answer as the facts read and compared as lists, for the same pieces, another shape of the same size, another
+    number of dims, another device; a piece not flagged as moved is not compared."""
+    checks = steady_checks()
+    assert checks is not None
+    pieces = _pieces()
+    held = plans._facts_of(pieces, plans._KIND_READS)
+    every = [True] * len(pieces)
+    cases: dict[str, tuple[list[torch.Tensor], list[bool]]] = {
+        "the same pieces": (pieces, every),
+        "another shape, same size": ([pieces[0].reshape(6, 4), *pieces[1:]], every),
+        "another number of dims": ([*pieces[:4], pieces[4].reshape(1, 3), *pieces[5:]], every),
+        "another device": ([*pieces[:5], torch.ones(2, 2, dtype=torch.float64, device="meta"), *pieces[6:]], every),
+        "a scalar made a vector": ([*pieces[:7], torch.ones(1, dtype=torch.int64)], every),
+        "another shape, not flagged": ([pieces[0].reshape(6, 4), *pieces[1:]], [False, *every[1:]]),
+    }
+    for case, (now, moved) in cases.items():
+        want = _moved_kinds_in_python(now, moved, held)
+        assert checks.moved_kept_kinds(now, moved, held) is want, case
+        assert plans._moved_kept_their_kinds(now, moved, held) is want, case
+    monkeypatch.setattr(plans, "steady_checks", lambda: None)  # the Python reads, where nothing is built
+    for case, (now, moved) in cases.items():
+        assert plans._moved_kept_their_kinds(now, moved, held) is _moved_kinds_in_python(now, moved, held), case
+    assert [_moved_kinds_in_python(now, moved, held) for now, moved in cases.values()] == [
+        True, False, False, False, False, True]
+
+
 class _Subclass(torch.Tensor):
     pass
 
@@ -204,6 +241,8 @@ def test_the_compiled_facts_leave_a_subclass_to_python_and_refuse_a_sparse_tenso
     subclass = torch.ones(2).as_subclass(_Subclass)  # its __torch_function__ is the Python reads' to ask
     assert checks.piece_facts([torch.ones(1), subclass], True) is None
     assert checks.kind_facts([subclass]) is None
+    assert checks.moved_kept_kinds([subclass], [True], [subclass.device, subclass.shape]) is None
+    assert checks.moved_kept_kinds([subclass], [False], [subclass.device, subclass.shape]) is True  # not read
     sparse = torch.ones(2, 2).to_sparse()
     with pytest.raises(RuntimeError) as python:
         torch.Tensor.data_ptr(sparse)

@@ -344,6 +344,26 @@ def test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full(
     assert held
 
 
+def test_a_new_grad_of_another_trailing_shape_with_as_many_dims_is_planned_in_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two weights of one trailing shape are read on the host as one block (concatenated along dim 0); a new grad
+    of one of them at a new address with another trailing shape and as many dims, the same element count, differs
+    from the one before in its address only by the facts a call reads each time: its shape must be compared (each
+    dim, not the number of dims), or the kept block concatenates it with the other weight and the call raises."""
+    model = nn.Module()
+    model.a, model.b = nn.Linear(4, 3), nn.Linear(4, 2)  # weights (3, 4) and (2, 4): one block
+    for seed, param in enumerate(model.parameters()):
+        param.grad = _fill(param, seed)
+    _check(model, _grads(model), "first call")
+    groupings = _counting_groupings(monkeypatch)
+    model.a.weight.data = torch.zeros(6, 2)
+    held = _replace_grads(model, 700)
+    _check(model, _grads(model), "one weight's grad of another trailing shape, as many dims, at a new address")
+    assert groupings, "not planned in full"
+    assert held
+
+
 def test_a_tensor_made_over_a_dead_grads_memory_is_not_the_planned_grad() -> None:
     """A grad object freed and another tensor made over its storage is at its address (and CPython may give it the
     freed object's id and memory too): that tensor is not the planned grad."""
