@@ -2696,6 +2696,30 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[flags-differ]",
         ),
     ),
+    Mutant(
+        name="compiled-build-keeps-a-dead-builders-lock",
+        bug="a process that took torch's build lock and died while building leaves it: the next builder, holding "
+        "the flock, hands it to torch's load, which waits on it without end at the first grad statistic",
+        file="pgregistry/grad_stats/_compiled.py",
+        find="            torch_lock.unlink()\n",
+        replace="            pass\n",
+        tests=(
+            "tests/grad_stats/test_compiled_checks_modes.py::"
+            "test_a_lock_left_by_a_builder_that_died_is_removed_and_the_build_completes",
+        ),
+    ),
+    Mutant(
+        name="compiled-build-takes-no-flock",
+        bug="a builder that does not wait for the flock takes a live build's torch lock for a dead one, removes it "
+        "and builds into the same folder at once",
+        file="pgregistry/grad_stats/_compiled.py",
+        find="            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        replace="            pass\n",
+        tests=(
+            "tests/grad_stats/test_compiled_checks_modes.py::"
+            "test_a_live_builder_is_waited_for_and_its_library_imported",
+        ),
+    ),
 )
 
 
