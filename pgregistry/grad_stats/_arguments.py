@@ -336,6 +336,8 @@ class Agreement:
                 f"error_if_nonfinite (it raises naming the value); this rank was given {this}; "
                 f"{outcome}: pass the same valid arguments on every rank"
             )
+        if not self._differing_columns().any():  # every call that agrees: no spread to tell
+            return None
         spreads = dict(zip(ARGUMENTS, self._argument_spreads(values), strict=True))
         if not given.clip and spreads["max_norm"] is not None:
             spreads["max_norm"] += " (this rank does not clip; another does)"
