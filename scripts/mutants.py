@@ -2290,8 +2290,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="ranks given different max_norm values clip by different coefficients, their replicas drifting apart "
         "(docs/reliability.md, hostile inputs, fifth round): every rank carries the same arguments in the verdict",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        return agreement_columns(self.max_norm if self.clip else 0.0, self.p, summed, device)\n",
-        replace="        return agreement_columns(1.0, 2.0, summed, device)\n",
+        find="        return agreement_columns(max_norm, self.p, self.error_if_nonfinite, summed, device)\n",
+        replace="        return agreement_columns(1.0, 2.0, self.error_if_nonfinite, summed, device)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing",
                "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
@@ -2302,8 +2302,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the summed form's test asks only whether each byte's sum is a multiple of the ranks: two ranks one bit "
         "apart agree, each scaling by its own coefficient",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        return (squares * self.ranks != sums * sums).reshape(count, 8).any(1)\n",
-        replace="        return (sums % self.ranks != 0).reshape(count, 8).any(1)\n",
+        find="        return squares * self.ranks != sums * sums\n",
+        replace="        return sums % self.ranks != 0\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_summed_form_tells_equal_values_from_any_others_exactly",),
     ),
@@ -2312,8 +2312,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the finishing kernel reads max_norm's bytes only: GPU ranks clipping with norm types 1 and 3 (rows of one "
         "width) scale by a norm that mixes both",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find="                byte = tl.arange(0, 16)  # the float64 bytes of max_norm and norm_type\n",
-        replace="                byte = tl.arange(0, 8)  # max_norm's bytes, and their squares at 19 on\n",
+        find="                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag\n",
+        replace="                inside = byte < 8  # max_norm's bytes only\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[max_norm-1-norm-types-2-and-1]",),
     ),
@@ -2331,8 +2331,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="norm-type-left-out-of-the-clip-agreement",
         bug="replicas clipping with norm types 2 and inf each clip by their own norm, silently",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        values = [0.0, max_norm, norm_type, -max_norm, -norm_type]\n",
-        replace="        values = [0.0, max_norm, 2.0, -max_norm, -2.0]\n",
+        find="        values = [0.0, max_norm, norm_type, flag, -max_norm, -norm_type, -flag]\n",
+        replace="        values = [0.0, max_norm, 2.0, flag, -max_norm, -2.0, -flag]\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_norm_types_raise_on_every_rank_and_scale_nothing[replicas-2.0-inf]",),
     ),
@@ -2383,7 +2383,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "instances as this rank's value alone: ranks of an instance that agrees clip, the others do not",
         file="pgregistry/grad_stats/_arguments.py",
         find="        unknown = (self.differing() | refused).repeat(2)\n",
-        replace="        unknown = refused.repeat(4)\n",
+        replace="        unknown = refused.repeat(6)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank[one-rank]",),
     ),
@@ -2593,8 +2593,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="a call without a clip carries max_norm 1.0 in its row: grad_norm_and_zeros(max_norm=1.0 if rank == 0 "
         "else None) clips on rank 0 alone, without a word",
         file="pgregistry/grad_stats/_arguments.py",
-        find="self.clip else 0.0, self.p",
-        replace="self.clip else 1.0, self.p",
+        find="        max_norm = self.max_norm if self.clip else 0.0\n",
+        replace="        max_norm = self.max_norm if self.clip else 1.0\n",
         tests=("tests/grad_stats/test_norm_types_and_clips_that_differ_across_ranks.py::"
                "test_a_clip_on_one_rank_beside_a_plain_norm_raises_on_every_rank_and_scales_nothing",),
     ),
@@ -2684,6 +2684,54 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_compiled_moved_kinds_are_the_python_ones",
             "tests/grad_stats/test_grad_stats_kept_plan.py::"
             "test_a_new_grad_of_another_trailing_shape_with_as_many_dims_is_planned_in_full[compiled]",
+        ),
+    ),
+    Mutant(
+        name="error-if-nonfinite-left-out-of-the-verdict",
+        bug="error_if_nonfinite=True on one rank only: a non-finite norm raises there and is returned on the others, "
+        "a finite one goes unremarked (docs/reliability.md, hostile inputs, ninth round)",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="    raises = clip and refusal is None and error_if_nonfinite is True\n",
+        replace="    raises = False\n",
+        tests=(
+            "tests/grad_stats/test_error_if_nonfinite_that_differs_across_ranks.py::"
+            "test_error_if_nonfinite_that_differs_raises_naming_it_on_every_rank_and_scales_nothing",
+        ),
+    ),
+    Mutant(
+        name="error-if-nonfinite-unread-by-the-finishing-kernel",
+        bug="the finishing kernel (CUDA, the 2-norm with the verdict in its row) reads the two float64 arguments' "
+        "bytes only: GPU ranks given error_if_nonfinite True and False keep a finite norm, each deciding alone",
+        file="pgregistry/grad_stats/_triton_kernels.py",
+        find="                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag\n",
+        replace="                inside = byte < 16\n",
+        tests=(
+            "tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
+            "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[flags-differ]",
+        ),
+    ),
+    Mutant(
+        name="compiled-build-keeps-a-dead-builders-lock",
+        bug="a process that took torch's build lock and died while building leaves it: the next builder, holding "
+        "the flock, hands it to torch's load, which waits on it without end at the first grad statistic",
+        file="pgregistry/grad_stats/_compiled.py",
+        find="            torch_lock.unlink()\n",
+        replace="            pass\n",
+        tests=(
+            "tests/grad_stats/test_compiled_checks_modes.py::"
+            "test_a_lock_left_by_a_builder_that_died_is_removed_and_the_build_completes",
+        ),
+    ),
+    Mutant(
+        name="compiled-build-takes-no-flock",
+        bug="a builder that does not wait for the flock takes a live build's torch lock for a dead one, removes it "
+        "and builds into the same folder at once",
+        file="pgregistry/grad_stats/_compiled.py",
+        find="            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        replace="            pass\n",
+        tests=(
+            "tests/grad_stats/test_compiled_checks_modes.py::"
+            "test_a_live_builder_is_waited_for_and_its_library_imported",
         ),
     ),
 )

@@ -1,5 +1,5 @@
 """The arguments every clip and norm entry point takes, checked by one set of functions:
-``max_norm`` and ``norm_type``.
+``max_norm``, ``norm_type`` and ``error_if_nonfinite``.
 
 Every public path (:func:`~pgregistry.grad_stats.clip_grad_norm_`,
 :func:`~pgregistry.grad_stats.clip_grads_`, a pgregistry optimizer's ``clip_grad_norm``,
@@ -9,7 +9,8 @@ number and raise Python's bare ``TypeError``, or (``float('2')``) be taken silen
 forms return the fault instead of raising it, for callers that agree on it across ranks first.
 
 A fault on some ranks only must not leave the others waiting in the norm's reduction, nor may ranks
-given different ``max_norm`` or ``norm_type`` values clip by different coefficients:
+given different ``max_norm`` or ``norm_type`` values clip by different coefficients (or different
+``error_if_nonfinite``: a non-finite norm raising on some ranks, returned on the others):
 :func:`arguments_of_call` holds a rank's fault instead of raising it, the rank joins the reduction
 with it, and :func:`agreement_columns` puts what it was given at the end of every reduction row with
 peers, a plain norm's too (``max_norm`` 0.0), and in a clip's verdict: rows the call reduces anyway
@@ -31,6 +32,7 @@ import torch
 from pgregistry._runtime.flags import flag_error
 
 __all__ = [
+    "AGREEMENT_BYTES",
     "AGREEMENT_WIDTH_MAX",
     "AGREEMENT_WIDTH_SUM",
     "CLIP_EPSILON",
@@ -170,19 +172,21 @@ def _refuse_negative(total_norm: object, value: float) -> None:
 
 @attrs.frozen(slots=True)
 class Given:
-    """A call's ``norm_type`` and ``max_norm`` as given on this rank: checked, their fault held.
+    """A call's ``norm_type``, ``max_norm`` and ``error_if_nonfinite`` on this rank: checked, held.
 
     ``refusal`` is the first fault (``max_norm``'s, ``norm_type``'s, ``error_if_nonfinite``'s): the
     rank still joins the reduction, its norm poisoned and its refusal in the clip's verdict, and
     raises it afterwards, so a value refused on some ranks only leaves none of their peers waiting
     in the reduction. ``p`` is the norm type, 2.0 (the default, the row its peers most likely make)
     where refused; ``max_norm`` the checked value as a float (``None`` without a clip or where
-    refused)."""
+    refused); ``error_if_nonfinite`` whether a clip raises on a non-finite norm (``False`` without a
+    clip, which does not read it, or where refused)."""
 
     p: float
     clip: bool
     max_norm: float | None
     refusal: Exception | None
+    error_if_nonfinite: bool
 
     def columns(self, *, summed: bool, device: torch.device) -> torch.Tensor:
         """These arguments as :func:`agreement_columns` (made once per value and device).
@@ -190,8 +194,9 @@ class Given:
         A call that does not clip carries ``max_norm`` 0.0, which no clip is given: a clip on some
         ranks beside a plain norm on others differs in it."""
         if self.refusal is not None:
-            return agreement_columns(None, self.p, summed, device)
-        return agreement_columns(self.max_norm if self.clip else 0.0, self.p, summed, device)
+            return agreement_columns(None, self.p, False, summed, device)
+        max_norm = self.max_norm if self.clip else 0.0
+        return agreement_columns(max_norm, self.p, self.error_if_nonfinite, summed, device)
 
 
 def arguments_of_call(
@@ -201,53 +206,66 @@ def arguments_of_call(
 
     A tensor ``max_norm`` is read on the host here, as :func:`check_max_norm` reads it.
     ``error_if_nonfinite`` must be a bool: a string such as ``'False'`` (from a configuration) was
-    true, and raised on a non-finite norm where the caller meant to skip the step."""
+    true, and raised on a non-finite norm where the caller meant to skip the step. A clip's rides in
+    the verdict beside the two numbers: given ``True`` on some ranks only, a non-finite norm raised
+    there and was returned on the others."""
     max_norm_fault = max_norm_error(max_norm) if clip else None
     norm_type_fault = norm_type_error(norm_type)
     flag_fault = flag_error(error_if_nonfinite, "error_if_nonfinite")
     p = real_number(norm_type) if norm_type_fault is None else None
     refusal = max_norm_fault or norm_type_fault or flag_fault
     value = real_number(max_norm) if clip and refusal is None else None
-    return Given(2.0 if p is None else p, clip, value, refusal)
+    raises = clip and refusal is None and error_if_nonfinite is True
+    return Given(2.0 if p is None else p, clip, value, refusal, raises)
 
 
-ARGUMENTS: Final = ("max_norm", "norm_type")
+ARGUMENTS: Final = ("max_norm", "norm_type", "error_if_nonfinite")
 """The arguments ranks must agree on, in the order of :func:`agreement_columns`' values."""
 
-_BYTES: Final = 8 * len(ARGUMENTS)
-"""The float64 bytes of the arguments, each a column of the summed form."""
+_ARGUMENT_BYTES: Final = (8, 8, 1)
+"""Each argument's bytes in the summed form: a float64's eight, the flag's one (0 or 1)."""
 
-AGREEMENT_WIDTH_SUM: Final = 1 + 2 * _BYTES
-"""The summed form's width: ``[refused, c_0 .. c_15, c_0**2 .. c_15**2]``, ``c_k`` the bytes."""
+AGREEMENT_BYTES: Final = sum(_ARGUMENT_BYTES)
+"""The arguments' bytes, each a column of the summed form (the finishing kernel reads them)."""
+
+AGREEMENT_WIDTH_SUM: Final = 1 + 2 * AGREEMENT_BYTES
+"""The summed form's width: ``[refused, c_0 .. c_16, c_0**2 .. c_16**2]``, ``c_k`` the bytes."""
 
 AGREEMENT_WIDTH_MAX: Final = 1 + 2 * len(ARGUMENTS)
-"""The maximum's form's width: ``[refused, max_norm, norm_type, -max_norm, -norm_type]``."""
+"""The maximum's form's width: ``[refused, max_norm, norm_type, flag, -max_norm, -norm_type,
+-flag]``, the flag ``error_if_nonfinite`` as 0 or 1."""
 
 
 @functools.lru_cache(maxsize=16)
 def agreement_columns(
-    max_norm: float | None, norm_type: float, summed: bool, device: torch.device
+    max_norm: float | None,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    summed: bool,
+    device: torch.device,
 ) -> torch.Tensor:
     """What a rank was given, as columns of its rows and a clip's verdict (float64, on ``device``).
 
-    ``max_norm`` ``None`` is a refusal (of either argument), 0.0 a plain norm's (no clip). Summed
-    over ``n`` ranks (a row reduced with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 16 bytes
-    of the two arguments' float64 bits: every rank was given the same bits exactly when each byte's
-    ``n * sum(c**2) == sum(c)**2`` (equal terms, by Cauchy-Schwarz); every sum is a whole number
-    below 2**53, the test exact for ``n`` up to 2**23. Reduced with MAX: ``[refused, max_norm,
-    norm_type, -max_norm, -norm_type]`` (``-inf`` but the flag where refused): the largest and the
-    negated smallest. Made once per value and device, so a clip called every step with the same
-    arguments adds no operation but the concatenation (no copy to the device)."""
+    ``max_norm`` ``None`` is a refusal (of any argument), 0.0 a plain norm's (no clip). Summed
+    over ``n`` ranks (a row reduced with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 17 bytes
+    of :data:`ARGUMENTS`: the two float64s' bits, then the flag (0 or 1): every rank was given the
+    same bits exactly when each byte's ``n * sum(c**2) == sum(c)**2`` (equal terms, by
+    Cauchy-Schwarz); every sum is a whole number below 2**53, the test exact for ``n`` up to 2**23.
+    Reduced with MAX: ``[refused, max_norm, norm_type, flag, -max_norm, -norm_type, -flag]``
+    (``-inf`` but ``refused`` where refused): the largest and the negated smallest. Made once per
+    value and device, so a clip called every step with the same arguments adds no operation but the
+    concatenation (no copy to the device)."""
+    flag = 1.0 if error_if_nonfinite else 0.0
     if summed:
         if max_norm is None:
-            values = [1.0] + [0.0] * (2 * _BYTES)
+            values = [1.0] + [0.0] * (2 * AGREEMENT_BYTES)
         else:
-            chunks = [float(byte) for byte in struct.pack("<2d", max_norm, norm_type)]
+            chunks = [float(byte) for byte in struct.pack("<2d", max_norm, norm_type)] + [flag]
             values = [0.0, *chunks, *(chunk * chunk for chunk in chunks)]
     elif max_norm is None:
         values = [1.0] + [-math.inf] * (2 * len(ARGUMENTS))
     else:
-        values = [0.0, max_norm, norm_type, -max_norm, -norm_type]
+        values = [0.0, max_norm, norm_type, flag, -max_norm, -norm_type, -flag]
     return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
 
@@ -266,16 +284,23 @@ class Agreement:
 
     def disagrees(self) -> torch.Tensor:
         """Whether a rank refused its argument or the arguments differ (0-dim bool)."""
-        return (self.columns[0] > 0) | self.differing().any()
+        return (self.columns[0] > 0) | self._differing_columns().any()
 
     def differing(self) -> torch.Tensor:
         """Which of :data:`ARGUMENTS` differ across the ranks (bool, one each; no host sync)."""
-        count = len(ARGUMENTS)
         if not self.ranks:
+            return self._differing_columns()
+        by_argument = self._differing_columns().split(_ARGUMENT_BYTES)
+        return torch.stack([columns.any() for columns in by_argument])
+
+    def _differing_columns(self) -> torch.Tensor:
+        """Which columns differ: each argument's (the maximum's form), else each byte's (bool)."""
+        if not self.ranks:
+            count = len(ARGUMENTS)
             return self.columns[1 : 1 + count] != -self.columns[1 + count :]
-        sums = self.columns[1 : 1 + _BYTES].to(torch.int64)
-        squares = self.columns[1 + _BYTES :].to(torch.int64)
-        return (squares * self.ranks != sums * sums).reshape(count, 8).any(1)
+        sums = self.columns[1 : 1 + AGREEMENT_BYTES].to(torch.int64)
+        squares = self.columns[1 + AGREEMENT_BYTES :].to(torch.int64)
+        return squares * self.ranks != sums * sums
 
     def as_maximum_form(self, given: Given) -> torch.Tensor:
         """The summed form as the maximum's, to be reduced with MAX over further groups.
@@ -298,7 +323,10 @@ class Agreement:
             return None
         values = self.columns.tolist()
         if given.clip:
-            this = f"max_norm={given.max_norm!r}, norm_type={given.p!r}"
+            this = (
+                f"max_norm={given.max_norm!r}, norm_type={given.p!r}, "
+                f"error_if_nonfinite={given.error_if_nonfinite!r}"
+            )
             peers, outcome = "holding grads", "no grad was scaled on any rank"
         else:
             this = f"norm_type={given.p!r} and no max_norm (no clip)"
@@ -309,36 +337,43 @@ class Agreement:
                 f"error_if_nonfinite (it raises naming the value); this rank was given {this}; "
                 f"{outcome}: pass the same valid arguments on every rank"
             )
-        differ = [
-            f"{name}{spread}"
-            for name, spread in zip(ARGUMENTS, self._argument_spreads(values), strict=True)
-            if spread is not None
-        ]
+        if not self._differing_columns().any():  # every call that agrees: no spread to tell
+            return None
+        spreads = dict(zip(ARGUMENTS, self._argument_spreads(values), strict=True))
+        if not given.clip and spreads["max_norm"] is not None:
+            spreads["max_norm"] += " (this rank does not clip; another does)"
+        differ = [f"{name}{spread}" for name, spread in spreads.items() if spread is not None]
         if not differ:
             return None
-        if given.clip:
-            why = "each rank would clip by its own coefficient and the replicas would drift apart"
-        else:
+        if not given.clip:
             why = "their shares are not of one norm"
-        no_clip = not given.clip and differ[0].startswith("max_norm")
-        unclipped = " (this rank does not clip; another does)" if no_clip else ""
+        elif spreads["max_norm"] is None and spreads["norm_type"] is None:
+            why = "a non-finite norm would raise on some ranks and be returned on the others"
+        else:
+            why = "each rank would clip by its own coefficient and the replicas would drift apart"
         return ValueError(
-            f"{owner}: {' and '.join(differ)}{unclipped} "
+            f"{owner}: {' and '.join(differ)} "
             f"{'differs' if len(differ) == 1 else 'differ'} across the ranks {peers}; this rank "
             f"was given {this}: {why}, so {outcome}: pass the same values on every rank"
         )
 
     def _argument_spreads(self, values: list[float]) -> list[str | None]:
-        """Each argument's spread over the ranks (``''`` where unknown), ``None`` where equal."""
+        """Each argument's spread over the ranks (``''`` where unknown), ``None`` where equal.
+
+        The flag's, where it differs, is known from either form: true on some ranks only."""
         count = len(ARGUMENTS)
         if not self.ranks:
-            return [
+            spreads = [
                 self._range_text(high, -negated_least)
                 for high, negated_least in zip(
                     values[1 : 1 + count], values[1 + count :], strict=True
                 )
             ]
-        return ["" if differs else None for differs in self.differing().tolist()]
+        else:
+            spreads = ["" if differs else None for differs in self.differing().tolist()]
+        if spreads[-1] is not None:
+            spreads[-1] = " (True on some ranks, False on others)"
+        return spreads
 
     @staticmethod
     def _range_text(high: float, least: float) -> str | None:

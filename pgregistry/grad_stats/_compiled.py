@@ -11,9 +11,12 @@ two to the same answers.
 Built with torch's own C++ extension builder (a C++ compiler and ``ninja``, ``pip install
 pgregistry[compiled]``) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under
 ``~/.cache/torch_extensions``): 22-66 s the first time on a machine (the 2-core machine, idle and
-loaded), then imported directly, without torch's build lock (:func:`_import_built`). Ranks of one
-machine building at once wait for one build (torch locks the build folder; a lock left by a build
-that died is refused by name, :func:`_wait_for_other_builds`).
+loaded), then imported directly, without any lock (:func:`_import_built`). Ranks of one machine
+building at once wait for one build: each builds only while holding an ``flock`` of a file beside
+torch's build folder (:func:`_sole_builder`), which the kernel releases when its holder dies.
+torch's own build lock is a plain file that a killed build leaves behind, and torch waits on it
+without end; the ``flock``'s holder knows that any such file is a dead build's (a live builder
+would hold the ``flock``) and removes it, with a warning.
 
 ``PGREGISTRY_COMPILED_CHECKS`` chooses: ``auto`` (unset: build where a compiler and ninja are, else
 the Python checks, with a warning saying why), ``off`` (the Python checks), ``required`` (raise
@@ -24,6 +27,7 @@ check that answers wrongly must not run.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -31,20 +35,19 @@ import operator
 import os
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Final
 
-__all__ = ["ENV", "STALE_LOCK_S", "library_name", "steady_checks"]
+__all__ = ["ENV", "builder_lock", "library_name", "steady_checks"]
 
 ENV: Final = "PGREGISTRY_COMPILED_CHECKS"
 _MODES: Final = ("auto", "off", "required")
 _SOURCE: Final = Path(__file__).with_name("_steady_checks.cpp")
-STALE_LOCK_S: Final = 300.0
-"""A build lock older than this was left by a build that died: a first build took 25-66 s on the
-2-core machine, loaded or not."""
+_LOCKING: Final = b"builders hold an flock beside the build folder"
+"""Part of the build's name: a build folder whose every builder takes :func:`_sole_builder`'s
+``flock`` (a pgregistry that did not would share the folder and have its live lock removed)."""
 
 
 def _mode_from_environment() -> str:
@@ -96,35 +99,45 @@ def _build() -> ModuleType:
 
     name = library_name()
     folder = Path(cpp_extension._get_build_directory(name, verbose=False))
-    built = _import_built(name, folder / f"{name}.so")
+    library = folder / f"{name}.so"
+    built = _import_built(name, library)
     if built is not None:
         return built
-    _wait_for_other_builds(folder / "lock")
-    with _ninja_on_path():
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O2"],
-            verbose=False,
-        )
+    with _sole_builder(folder):
+        built = _import_built(name, library)  # the build this process waited for
+        if built is not None:
+            return built
+        with _ninja_on_path():
+            return cpp_extension.load(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O2"],
+                verbose=False,
+            )
 
 
 def library_name() -> str:
-    """The build's name: a hash of :data:`_SOURCE` and torch's version (see :func:`_build`)."""
+    """The build's name: a hash of :data:`_SOURCE`, torch's version and :data:`_LOCKING`.
+
+    See :func:`_build`."""
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    return f"pgregistry_steady_checks_{digest}"
+    named = _SOURCE.read_bytes() + torch.__version__.encode() + _LOCKING
+    return f"pgregistry_steady_checks_{hashlib.sha256(named).hexdigest()[:16]}"
+
+
+def builder_lock(folder: Path) -> Path:
+    """The file whose ``flock`` a process holds while it builds into torch's build ``folder``."""
+    return folder.with_name(f"{folder.name}.builder.lock")
 
 
 def _import_built(name: str, library: Path) -> ModuleType | None:
     """The module ``name`` imported from ``library`` where a build left it, else ``None``.
 
     Its name holds its source's hash and torch's version, so a library of that name is this build:
-    imported as torch's builder imports it, without its lock, which every process of a job would
-    otherwise take in turn at its first grad statistic (a rank killed while holding it leaves it
-    behind: :func:`_wait_for_other_builds`). A library that does not import (a build killed while
-    linking it) is left to torch's builder, which makes it again."""
+    imported as torch's builder imports it, without a lock, which every process of a job would
+    otherwise take in turn at its first grad statistic. A library that does not import (a build
+    killed while linking it) is left to torch's builder, which makes it again."""
     if not library.is_file():
         return None
     spec = importlib.util.spec_from_file_location(name, library)
@@ -138,24 +151,34 @@ def _import_built(name: str, library: Path) -> ModuleType | None:
     return module
 
 
-def _wait_for_other_builds(lock: Path) -> None:
-    """Wait while another process holds torch's build lock ``lock``; refuse one a dead build left.
+@contextlib.contextmanager
+def _sole_builder(folder: Path) -> Iterator[None]:
+    """Hold :func:`builder_lock`'s ``flock``, waiting for a live holder; remove a dead build's lock.
 
-    torch takes that lock for every load, built or not, and waits for it without end: a process
-    killed while building (a job stopped in its first minute) leaves it, and every later process
-    would wait at its first grad statistic. A lock older than :data:`STALE_LOCK_S` is such a one:
-    ``RuntimeError`` naming it (``auto`` then runs the Python checks, with the warning)."""
-    while True:
+    torch takes its build lock, ``folder / "lock"``, a plain file, for every load, built or not, and
+    waits for it without end: a process killed while building (a job stopped in its first minute)
+    leaves it, and every later process would wait at its first grad statistic. The ``flock`` has an
+    owner: the kernel releases it when its holder dies, and every builder holds it around torch's
+    load. So the holder that finds torch's lock knows its maker is dead, and removes it."""
+    from pgregistry._runtime.logger import get_logger
+
+    logger = get_logger(__name__)
+    with builder_lock(folder).open("a") as held:
         try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_S:
-            raise RuntimeError(
-                f"{lock} is {age:.0f} s old: a build of pgregistry's compiled checks died holding "
-                "it, and torch would wait on it without end; remove it"
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("compiled_checks_waiting_for_another_build", lock=str(held.name))
+            fcntl.flock(held, fcntl.LOCK_EX)
+        torch_lock = folder / "lock"
+        if torch_lock.exists():
+            torch_lock.unlink()
+            logger.warning(
+                "compiled_checks_dead_build_lock_removed",
+                lock=str(torch_lock),
+                why="a build died holding it (a live one would hold the flock of "
+                f"{held.name}); torch would have waited on it without end",
             )
-        time.sleep(0.5)
+        yield  # closing the file releases the flock
 
 
 @contextlib.contextmanager

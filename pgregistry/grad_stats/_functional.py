@@ -18,9 +18,9 @@ replica whose grads are not.
 
 A ``max_norm`` or ``norm_type`` refused on some ranks only does not leave their peers waiting: the
 refusing rank joins the reduction with a NaN share (and, clipping, a refusal in the verdict), then
-raises; ranks that clip with different valid ``max_norm`` or ``norm_type`` values scale nothing,
-their norm NaN (:class:`~pgregistry.grad_stats._arguments.Agreement`, riding in the verdict: no
-collective more).
+raises; ranks that clip with different valid ``max_norm``, ``norm_type`` or ``error_if_nonfinite``
+values scale nothing, their norm NaN (:class:`~pgregistry.grad_stats._arguments.Agreement`, riding
+in the verdict: no collective more).
 """
 
 from __future__ import annotations
@@ -464,11 +464,12 @@ def clip_grad_norm_(
         TypeError: ``max_norm`` or ``norm_type`` not a real number (a string such as ``'1.0'``, a
             bool, ``None``); ``pg_collection`` neither a collection nor ``None``.
         ValueError: ``max_norm`` not positive and finite (0, negative, NaN, inf); ``norm_type`` not
-            positive; the ranks holding grads given different ``max_norm`` or ``norm_type`` values,
-            or another rank refusing its own: on every rank where the grads are on the CPU or with
-            ``error_if_nonfinite`` (on a GPU otherwise the norm is NaN and nothing is scaled, with
-            no host sync); as :func:`grad_norm` otherwise. A refused argument is raised after the
-            norm's reduction, which the rank still joins, so its peers do not wait.
+            positive; the ranks holding grads given different ``max_norm``, ``norm_type`` or
+            ``error_if_nonfinite`` values, or another rank refusing its own: on every rank where the
+            grads are on the CPU or with ``error_if_nonfinite`` (on a GPU otherwise the norm is NaN
+            and nothing is scaled, with no host sync); as :func:`grad_norm` otherwise. A refused
+            argument is raised after the norm's reduction, which the rank still joins, so its peers
+            do not wait.
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
 
     Example::

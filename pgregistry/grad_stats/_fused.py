@@ -367,7 +367,7 @@ def finish_rows(
     zeros, large, small]`` with ``norm``, at least ``[share, zeros]`` without), one or two, on one
     device; ``flags`` the verdict's ``[NaN, inf]`` counts (two contiguous float64 elements) or
     ``None``; ``scale`` the range columns' scale (a power of two); ``ranks``, where positive, says
-    the flags are followed by a clip's arguments in the summed form of
+    the flags are followed by the call's arguments in the summed form of
     :func:`~pgregistry.grad_stats._arguments.agreement_columns` over that many ranks (the norm NaN
     where they disagree, as :meth:`~pgregistry.grad_stats._arguments.Agreement.disagrees`). The
     reductions' own operations
@@ -398,8 +398,20 @@ def finish_rows(
             FLAGS=flags is not None,
             AGREE=flags is not None and ranks > 0,
             NARROW=narrowed is not None,
+            BYTES=_agreement_bytes(),
+            BYTES_BLOCK=1 << (_agreement_bytes() - 1).bit_length(),
         )
     return Finished(norm64, count, narrowed, clipped)
+
+
+@functools.cache
+def _agreement_bytes() -> int:
+    """The bytes of the summed form of the call's arguments, each a column.
+
+    The count lives with the arguments, which import torch."""
+    from pgregistry.grad_stats._arguments import AGREEMENT_BYTES
+
+    return AGREEMENT_BYTES
 
 
 @functools.cache

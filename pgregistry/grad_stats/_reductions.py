@@ -15,10 +15,10 @@ every collective of a call in the one agreed order and combines:
    its name; :func:`reduce_over_groups`), of the group's row: both statistics in one collective,
    a SUM of one width whatever the norm type (the inf-norm's maxima in a column per rank:
    :func:`_local_row`), so ranks given different norm types issue the same collectives. A call's
-   checked arguments (``given``: ``norm_type``, a clip's ``max_norm`` or 0.0 without one, a
-   refusal) ride at the end of every row with peers, and the norm is NaN wherever they differ
-   (:class:`~pgregistry.grad_stats._arguments.Agreement`; :func:`check_arguments_after` raises it
-   where no device sync is needed);
+   checked arguments (``given``: ``norm_type``, a clip's ``max_norm`` or 0.0 without one and its
+   ``error_if_nonfinite``, a refusal) ride at the end of every row with peers, and the norm is NaN
+   wherever they differ (:class:`~pgregistry.grad_stats._arguments.Agreement`;
+   :func:`check_arguments_after` raises it where no device sync is needed);
 3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the
    collection's ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every
    rank clips, skips or raises alike. One small all-reduce (MAX, with the arguments), none when a

@@ -187,6 +187,8 @@ def finish_kernel(
     FLAGS: tl.constexpr,  # noqa: N803
     AGREE: tl.constexpr,  # noqa: N803
     NARROW: tl.constexpr,  # noqa: N803
+    BYTES: tl.constexpr,  # noqa: N803
+    BYTES_BLOCK: tl.constexpr,  # noqa: N803
 ):
     """One program: the reduced rows of a 2-norm or zero-count call made its results.
 
@@ -194,8 +196,9 @@ def finish_kernel(
     or ``[0, zeros]`` (the zero count alone); with ``TWO_ROWS`` the second row's columns are added
     to the first's (one addition each, as torch's sum of two). ``FLAGS``: ``flags_ptr`` holds the
     verdict's ``[NaN, inf]`` counts, with ``AGREE`` followed by a clip's arguments summed over
-    ``ranks`` ranks (``[refused, 16 byte sums, 16 sums of squares]``: the norm NaN where one was
-    refused or a byte's ``ranks * squares != sums**2``, as ``Agreement.disagrees``). It writes the
+    ``ranks`` ranks (``[refused, BYTES byte sums, BYTES sums of squares]``, read in a block of
+    ``BYTES_BLOCK``, a power of two: the norm NaN where one was refused or a byte's ``ranks *
+    squares != sums**2``, as ``Agreement.disagrees``). It writes the
     2-norm (float64; the range columns combined as
     :func:`~pgregistry.grad_stats._reductions._two_norm_from_ranges` does, ``S`` given as the bits
     of its float64 value, then the flags), with ``NARROW`` that norm in float32 and the clip's
@@ -232,9 +235,11 @@ def finish_kernel(
             norm = tl.where(nan > 0, float("nan"), tl.where(inf > 0, float("inf"), norm))
             if AGREE:
                 refused = tl.load(flags_ptr + 2)
-                byte = tl.arange(0, 16)  # the float64 bytes of max_norm and norm_type
-                sums = tl.load(flags_ptr + 3 + byte).to(tl.int64)
-                squares = tl.load(flags_ptr + 19 + byte).to(tl.int64)
+                byte = tl.arange(0, BYTES_BLOCK)
+                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag
+                sums = tl.load(flags_ptr + 3 + byte, mask=inside, other=0.0).to(tl.int64)
+                squares = tl.load(flags_ptr + 3 + BYTES + byte, mask=inside, other=0.0)
+                squares = squares.to(tl.int64)
                 differ = tl.sum((squares * ranks != sums * sums).to(tl.int32), axis=0)
                 norm = tl.where((refused > 0) | (differ > 0), float("nan"), norm)
         tl.store(norm_ptr, norm)

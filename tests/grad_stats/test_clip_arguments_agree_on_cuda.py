@@ -40,7 +40,7 @@ def _grads(rank: int, replicas: bool) -> list[torch.Tensor]:
 
 
 def _clip_on_rank(
-    layout: str, max_norms: dict[int, float], error_if_nonfinite: bool
+    layout: str, max_norms: dict[int, float], flags: dict[int, bool]
 ) -> tuple[str, bool, float, bool, list[torch.Tensor]]:
     """The error (empty when none), whether the grads are unchanged, the norm returned, whether the one-read kernels
     ran, and the grads after the clip (on the host)."""
@@ -52,7 +52,8 @@ def _clip_on_rank(
         param.grad = grad.to(device)
     before = [p.grad.clone() for p in model.parameters()]
     try:
-        norm = float(clip_grad_norm_(model, max_norms[dist.get_rank()], pgc, error_if_nonfinite=error_if_nonfinite))
+        rank = dist.get_rank()
+        norm = float(clip_grad_norm_(model, max_norms[rank], pgc, error_if_nonfinite=flags[rank]))
         error = ""
     except ValueError as exc:
         norm, error = math.nan, str(exc)
@@ -60,8 +61,9 @@ def _clip_on_rank(
     return error, unchanged, norm, can_run_fused_stats(device), [p.grad.cpu() for p in model.parameters()]
 
 
-def _run(layout: str, max_norms: dict[int, float], error_if_nonfinite: bool = False) -> list[tuple]:
-    return run_world(2, _clip_on_rank, layout, max_norms, error_if_nonfinite, timeout=60.0)
+def _run(layout: str, max_norms: dict[int, float], error_if_nonfinite: bool | dict[int, bool] = False) -> list[tuple]:
+    flags = error_if_nonfinite if isinstance(error_if_nonfinite, dict) else dict.fromkeys(max_norms, error_if_nonfinite)
+    return run_world(2, _clip_on_rank, layout, max_norms, flags, timeout=60.0)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -76,6 +78,18 @@ def test_different_max_norms_raise_on_every_rank_with_error_if_nonfinite(layout:
     for rank, (error, unchanged, _, _, _) in enumerate(_run(layout, {0: 1.0, 1: 2.0}, error_if_nonfinite=True)):
         assert "max_norm" in error and "differs across the ranks holding grads" in error, (rank, error)
         assert unchanged, rank
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_error_if_nonfinite_that_differs_raises_where_true_and_leaves_the_peer_nan_and_unscaled(layout: str) -> None:
+    """The rank given ``True`` reads the norm anyway, NaN, and raises naming the flag; its peer reads nothing (no host
+    sync): its norm is NaN and nothing is scaled on either (ninth round)."""
+    got = _run(layout, {0: 1.0, 1: 1.0}, {0: True, 1: False})
+    (raising, raising_unchanged, _, fused, _), (peer, peer_unchanged, peer_norm, _, _) = got
+    assert fused, "the one-read kernels did not run (triton missing?): this checks nothing of them"
+    assert "error_if_nonfinite (True on some ranks, False on others) differs across the ranks" in raising, raising
+    assert peer == "" and math.isnan(peer_norm), (peer, peer_norm)
+    assert raising_unchanged and peer_unchanged
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -4,14 +4,20 @@ A machine without a compiler gets the Python checks and a warning naming the err
 fix (``required``); ``off`` asks for no build; an unknown value is refused by name. A build that answers its probe
 wrongly is refused in every mode. The build is replaced here by one that fails, or by a module whose answers are
 wrong: what these tests check is what ``steady_checks`` does with each.
+
+Builders of one machine take turns through an ``flock`` beside torch's build folder: a live one is waited for, and a
+torch lock left by one that died (a plain file torch would wait on without end) is removed. Those tests run torch's
+own load, lock and import in subprocesses, in a private ``TORCH_EXTENSIONS_DIR``, the compiler's work replaced by a
+copy of the library this session built.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import threading
-import time
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,35 +76,140 @@ def test_a_build_that_answers_wrongly_is_refused(monkeypatch: pytest.MonkeyPatch
         planned_pieces=lambda params, planned: list(params),  # every grad taken for the planned one
         same_holders=lambda empty, dicts, held: True,
         same_roles=lambda bare, roleless, blocks, keys, held: True,
+        moved_kept_kinds=lambda tensors, moved, held: True,  # every moved piece taken for its kind
     )
     monkeypatch.setattr(_compiled, "_build", lambda: wrong)
-    with pytest.raises(RuntimeError, match="answered wrongly: planned_pieces .the planned grad., planned_pieces"):
+    with pytest.raises(RuntimeError, match="answered wrongly: planned_pieces .the planned grad., planned_pieces.*"
+                       "moved_kept_kinds .another shape."):
         _compiled.steady_checks()
 
 
-def test_a_lock_left_by_a_build_that_died_is_refused_by_name_not_waited_on(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+HOLDER = """
+import fcntl, shutil, sys
+from pathlib import Path
+from pgregistry.grad_stats import _compiled
+folder, library = Path(sys.argv[1]), sys.argv[2]
+with _compiled.builder_lock(folder).open("a") as held:
+    fcntl.flock(held, fcntl.LOCK_EX)
+    (folder / "lock").touch()  # torch's build lock, as its load takes it
+    print("held", flush=True)
+    sys.stdin.readline()  # building, until told to finish (or killed)
+    shutil.copy(library, folder / (folder.name + ".so"))
+    kept = (folder / "lock").exists()
+    (folder / "lock").unlink(missing_ok=True)
+sys.exit(0 if kept else 3)
+"""
+"""A builder: holds the flock and torch's lock until a line comes on its stdin, then leaves the library and releases
+both; exit 3 where its torch lock was taken from it while it lived."""
+
+BUILDER = """
+import json, logging, shutil, sys
+from pathlib import Path
+from torch.utils import cpp_extension
+from pgregistry.grad_stats import _compiled
+logging.basicConfig(level=logging.INFO)
+library = sys.argv[1]
+compiled = []
+def link(name, build_directory, **_):  # the compiler's work: the library this session built
+    compiled.append(name)
+    shutil.copy(library, Path(build_directory) / (name + ".so"))
+cpp_extension._write_ninja_file_and_build_library = link
+module = _compiled._build()
+_compiled._require_right_answers(module)
+print(json.dumps(compiled))
+"""
+"""``_build`` under torch's own load, lock and import, its compiler replaced by a copy of the library this session
+built (a real build takes 25-66 s): prints the names compiled."""
+
+
+@pytest.fixture
+def built_library() -> str:
+    built = _compiled.steady_checks()
+    if built is None:
+        pytest.skip("the compiled checks are not built here")
+    return str(built.__file__)
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[str]]]:
+    """The test's subprocesses, killed after it (a builder left waiting in torch's lock would wait without end)."""
+    processes: list[subprocess.Popen[str]] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=60)
+
+
+def _started(
+    started: list[subprocess.Popen[str]], script: str, *args: str, env: dict[str, str]
+) -> subprocess.Popen[str]:
+    pipe = subprocess.PIPE
+    command = [sys.executable, "-c", script, *args]
+    started.append(
+        subprocess.Popen(command, env=env, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
+    )
+    return started[-1]
+
+
+def _builder_waiting_on_a_holder(
+    tmp_path: Path, library: str, started: list[subprocess.Popen[str]]
+) -> tuple[subprocess.Popen[str], subprocess.Popen[str], Path, str]:
+    """In a private ``TORCH_EXTENSIONS_DIR``: a holder of the build's flock and torch's lock, and a builder started
+    after it, with the builder's log up to its wait for the flock (all of it where it did not wait)."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    folder = tmp_path / _compiled.library_name()
+    folder.mkdir()
+    holder = _started(started, HOLDER, str(folder), library, env=env)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n", holder.communicate(
+        timeout=60
+    )
+    builder = _started(started, BUILDER, library, env=env)
+    assert builder.stderr is not None
+    log = ""
+    while "compiled_checks_waiting_for_another_build" not in log:
+        line = builder.stderr.readline()
+        if not line:  # it ended without waiting
+            break
+        log += line
+    return holder, builder, folder, log
+
+
+def test_a_lock_left_by_a_builder_that_died_is_removed_and_the_build_completes(
+    tmp_path: Path, built_library: str, started: list[subprocess.Popen[str]]
 ) -> None:
-    """torch waits without end for a build lock; a process killed while building leaves one, and every later
-    process would hang at its first grad statistic. The test's build folder is its own (``TORCH_EXTENSIONS_DIR``)."""
-    monkeypatch.setenv(_compiled.ENV, "required")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / _compiled.library_name() / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.touch()
-    old = time.time() - _compiled.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    with pytest.raises(RuntimeError, match=rf"{lock} is \d+ s old: a build .* died holding it.*remove it"):
-        _compiled.steady_checks()
+    """A process takes the flock and torch's lock, then is killed while building; torch's lock stays (a plain file),
+    the flock goes with its holder. The process waiting for the flock finds torch's lock, knows its maker dead,
+    removes it (saying so) and builds: torch would have waited on it without end."""
+    holder, builder, folder, log = _builder_waiting_on_a_holder(tmp_path, built_library, started)
+    holder.kill()
+    holder.communicate(timeout=60)
+    out, err = builder.communicate(
+        timeout=45
+    )  # torch's wait on the lock, had it stayed, has no end
+    assert builder.returncode == 0, log + err
+    assert json.loads(out) == [folder.name], out
+    assert "compiled_checks_dead_build_lock_removed" in err and str(folder / "lock") in err, (
+        log + err
+    )
+    assert not (folder / "lock").exists()
 
 
-def test_a_lock_released_while_waiting_lets_the_build_go_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    lock = tmp_path / "lock"
-    lock.touch()
-    threading.Timer(1.0, lock.unlink).start()
-    start = time.monotonic()
-    _compiled._wait_for_other_builds(lock)
-    assert 0.9 < time.monotonic() - start < 10
+def test_a_live_builder_is_waited_for_and_its_library_imported(
+    tmp_path: Path, built_library: str, started: list[subprocess.Popen[str]]
+) -> None:
+    """A process building (the flock and torch's lock held) is waited for, its lock left alone; what it built is
+    then imported, without a build of this process's own."""
+    holder, builder, _, log = _builder_waiting_on_a_holder(tmp_path, built_library, started)
+    assert "compiled_checks_waiting_for_another_build" in log, (
+        log + builder.communicate(timeout=60)[1]
+    )
+    holder.communicate("finish\n", timeout=60)
+    out, err = builder.communicate(timeout=60)
+    assert holder.returncode == 0, "the live builder's torch lock was removed"
+    assert builder.returncode == 0, log + err
+    assert json.loads(out) == [], out
+    assert "compiled_checks_dead_build_lock_removed" not in err, log + err
 
 
 def test_a_built_library_is_imported_without_the_lock_and_a_broken_one_is_left_to_the_builder(tmp_path: Path) -> None:

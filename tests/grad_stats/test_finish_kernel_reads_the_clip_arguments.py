@@ -1,5 +1,5 @@
 """The finishing kernel reads a clip's arguments as the torch path does: a NaN norm, bit for bit, where a rank refused
-its ``max_norm`` or the values differ, the norm's own bits where they agree.
+its ``max_norm`` or the values differ (``error_if_nonfinite`` too), the norm's own bits where they agree.
 
 On CUDA the clip's verdict is finished by the kernel (``grad_stats/_fused.py``'s ``finish_rows``), where no rank reads
 it on the host: that NaN is what keeps every rank from scaling. Run here through triton's interpreter on reduced
@@ -43,19 +43,31 @@ CASES: dict[str, tuple[list[float | None], list[float]]] = {
     "differ-beside-an-inf": ([3.5, 7.0], [0.0, 1.0]),
     "agree-beside-a-nan": ([3.5, 3.5], [2.0, 0.0]),
     "max_norm-1-norm-types-2-and-1": ([1.0, 1.0], [0.0, 0.0]),
+    "flags-differ": ([1.0, 1.0, 1.0], [0.0, 0.0]),
+    "flags-agree-true": ([1.0, 1.0], [0.0, 0.0]),
 }
-"""Arguments over ranks, each finished by the kernel and by torch's operations."""
+"""Arguments over ranks, each finished by the kernel and by torch's operations; ``error_if_nonfinite`` False on each
+rank but where the name says (:data:`FLAGS`)."""
+
+FLAGS = {"flags-differ": [False, True, False], "flags-agree-true": [True, True]}
+"""Each rank's ``error_if_nonfinite`` in the cases that give it."""
 
 ROW = [12.5, 3.0, 0.0, 0.0]
 """A reduced 2-norm row: ``[middle, zeros, large, small]``."""
 
 
-def _summed(values: list[float | None], norm_types: list[float] | None = None) -> torch.Tensor:
-    """The summed form over ranks given ``values`` (``norm_types``, default 2 on each), as the SUM all-reduce makes
-    it (whole numbers: exact)."""
+def _summed(
+    values: list[float | None], norm_types: list[float] | None = None, flags: list[bool] | None = None
+) -> torch.Tensor:
+    """The summed form over ranks given ``values`` (``norm_types``, default 2 on each; ``flags``, the
+    ``error_if_nonfinite`` of each, default False), as the SUM all-reduce makes it (whole numbers: exact)."""
     norm_types = norm_types or [2.0] * len(values)
+    flags = flags or [False] * len(values)
     cpu = torch.device("cpu")
-    columns = [agreement_columns(value, p, True, cpu) for value, p in zip(values, norm_types, strict=True)]
+    columns = [
+        agreement_columns(value, p, flag, True, cpu)
+        for value, p, flag in zip(values, norm_types, flags, strict=True)
+    ]
     return torch.stack(columns).sum(0)
 
 
@@ -66,7 +78,8 @@ def finished_side_by_side(device: torch.device) -> dict[str, tuple[list[int | No
     for name, (values, counts) in CASES.items():
         row = torch.tensor(ROW, dtype=torch.float64, device=device)
         norm_types = [2.0, 1.0] if "norm-types" in name else None
-        riding = torch.cat([torch.tensor(counts, dtype=torch.float64), _summed(values, norm_types)]).to(device)
+        summed = _summed(values, norm_types, FLAGS.get(name))
+        riding = torch.cat([torch.tensor(counts, dtype=torch.float64), summed]).to(device)
         kernel = fused_stats.finish_rows(
             [row], riding, norm=True, zeros=True, narrow=True, scale=S, ranks=len(values)
         )
@@ -98,7 +111,7 @@ def test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits(
     by_kernel, by_torch = interpreted[case]
     assert by_kernel == by_torch, case
     values, counts = CASES[case]
-    agree = None not in values and len(set(values)) == 1 and "norm-types" not in case
+    agree = None not in values and len(set(values)) == 1 and "norm-types" not in case and case != "flags-differ"
     nan = by_kernel[0] == -1
     assert nan == (counts[0] > 0 or not agree), (case, by_kernel)  # a disagreement is NaN beside an inf too
 
@@ -119,3 +132,7 @@ def test_the_summed_form_tells_equal_values_from_any_others_exactly() -> None:
     assert bool(Agreement(_summed([below, base, above]), 3).disagrees())
     assert bool(Agreement(_summed([1.0, 2.0, 3.0]), 3).disagrees())  # 2.0 is neither 1.0 nor 3.0
     assert bool(Agreement(_summed([1.0, 1.0], [1.0, 3.0]), 2).disagrees())  # the norm types differ
+    for flags in ([True, False], [False, True, True], [True] + [False] * 999):  # error_if_nonfinite differs
+        flagged = Agreement(_summed([base] * len(flags), flags=flags), len(flags))
+        assert bool(flagged.disagrees()) and flagged.differing().tolist() == [False, False, True], flags
+    assert not bool(Agreement(_summed([base] * 3, flags=[True] * 3), 3).disagrees())
