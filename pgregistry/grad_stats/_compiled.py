@@ -219,11 +219,11 @@ def _require_right_answers(module: ModuleType) -> None:
         "same_holders (one more)": not module.same_holders([{}], [held], [end]),
         "same_roles (the same)": module.same_roles([{}], [{}], [[{"k": 1}]], ("k",), [[1]]),
         "same_roles (another value)": not module.same_roles([], [], [[{"k": 1}]], ("k",), [[2]]),
-        "moved_kept_kinds (the same)": module.moved_kept_kinds(
+        "same_kinds_where_moved (the same)": module.same_kinds_where_moved(
             [grad], [True], [grad.device, grad.shape]
         )
         is True,
-        "moved_kept_kinds (another shape)": module.moved_kept_kinds(
+        "same_kinds_where_moved (another shape)": module.same_kinds_where_moved(
             [grad], [True], [grad.device, torch.Size([1, 2])]
         )
         is False,

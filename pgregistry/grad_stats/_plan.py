@@ -583,7 +583,7 @@ class Plan:
         ):
             return False
         moved = list(map(operator.ne, facts[::step], held[::step]))  # each piece: whether it moved
-        if not _moved_kept_their_kinds(pieces, moved, kind_held):
+        if not _same_kinds_where_moved(pieces, moved, kind_held):
             return False
         replanned: dict[int, _Kind] = {}  # by the old kind: every piece's kinds may be a target's
 
@@ -689,7 +689,7 @@ def _kind_facts(pieces: list[torch.Tensor]) -> list[Any]:
     return _facts_of(pieces, _KIND_READS)
 
 
-def _moved_kept_their_kinds(pieces: list[torch.Tensor], moved: list[bool], held: list[Any]) -> bool:
+def _same_kinds_where_moved(pieces: list[torch.Tensor], moved: list[bool], held: list[Any]) -> bool:
     """Whether every piece ``moved`` flags has the :data:`_KIND_READS` ``held`` gives for it.
 
     ``held`` is :func:`_kind_facts` of the pieces the kinds were planned for. In one compiled pass
@@ -698,7 +698,7 @@ def _moved_kept_their_kinds(pieces: list[torch.Tensor], moved: list[bool], held:
     2-core machine), else the facts of the moved pieces read and compared as lists."""
     checks = steady_checks()
     if checks is not None:
-        same: bool | None = checks.moved_kept_kinds(pieces, moved, held)
+        same: bool | None = checks.same_kinds_where_moved(pieces, moved, held)
         if same is not None:
             return same
     width = len(_KIND_READS)

@@ -249,10 +249,11 @@ py::object kind_facts(const py::list& tensors) {
 
 // Whether every tensor of `tensors` that `moved` flags (a list of bools, one a tensor) has the
 // device and shape `held` gives for it (the flat list kind_facts made when the kinds were planned,
-// a device and a torch.Size a tensor): _plan._moved_kept_their_kinds's answer, read without making
+// a device and a torch.Size a tensor): _plan._same_kinds_where_moved's answer, read without making
 // a device or a shape. None where a flagged tensor is not a plain torch.Tensor, or `held` does not
 // hold a device and a torch.Size where one is due (the Python reads then decide).
-py::object moved_kept_kinds(const py::list& tensors, const py::list& moved, const py::list& held) {
+py::object same_kinds_where_moved(
+    const py::list& tensors, const py::list& moved, const py::list& held) {
   const Py_ssize_t count = PyList_GET_SIZE(tensors.ptr());
   if (PyList_GET_SIZE(moved.ptr()) != count || PyList_GET_SIZE(held.ptr()) != 2 * count) {
     throw py::value_error("moved takes one flag a tensor and held two facts a tensor");
@@ -317,8 +318,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("kind_facts", &kind_facts, py::arg("tensors"));
   module.def("planned_rows", &planned_rows, py::arg("grads"));
   module.def(
-      "moved_kept_kinds",
-      &moved_kept_kinds,
+      "same_kinds_where_moved",
+      &same_kinds_where_moved,
       py::arg("tensors"),
       py::arg("moved"),
       py::arg("held"));

@@ -222,11 +222,11 @@ def test_the_compiled_moved_kinds_are_the_python_ones(monkeypatch: pytest.Monkey
     }
     for case, (now, moved) in cases.items():
         want = _moved_kinds_in_python(now, moved, held)
-        assert checks.moved_kept_kinds(now, moved, held) is want, case
-        assert plans._moved_kept_their_kinds(now, moved, held) is want, case
+        assert checks.same_kinds_where_moved(now, moved, held) is want, case
+        assert plans._same_kinds_where_moved(now, moved, held) is want, case
     monkeypatch.setattr(plans, "steady_checks", lambda: None)  # the Python reads, where nothing is built
     for case, (now, moved) in cases.items():
-        assert plans._moved_kept_their_kinds(now, moved, held) is _moved_kinds_in_python(now, moved, held), case
+        assert plans._same_kinds_where_moved(now, moved, held) is _moved_kinds_in_python(now, moved, held), case
     assert [_moved_kinds_in_python(now, moved, held) for now, moved in cases.values()] == [
         True, False, False, False, False, True]
 
@@ -241,8 +241,8 @@ def test_the_compiled_facts_leave_a_subclass_to_python_and_refuse_a_sparse_tenso
     subclass = torch.ones(2).as_subclass(_Subclass)  # its __torch_function__ is the Python reads' to ask
     assert checks.piece_facts([torch.ones(1), subclass], True) is None
     assert checks.kind_facts([subclass]) is None
-    assert checks.moved_kept_kinds([subclass], [True], [subclass.device, subclass.shape]) is None
-    assert checks.moved_kept_kinds([subclass], [False], [subclass.device, subclass.shape]) is True  # not read
+    assert checks.same_kinds_where_moved([subclass], [True], [subclass.device, subclass.shape]) is None
+    assert checks.same_kinds_where_moved([subclass], [False], [subclass.device, subclass.shape]) is True  # not read
     sparse = torch.ones(2, 2).to_sparse()
     with pytest.raises(RuntimeError) as python:
         torch.Tensor.data_ptr(sparse)

@@ -76,11 +76,11 @@ def test_a_build_that_answers_wrongly_is_refused(monkeypatch: pytest.MonkeyPatch
         planned_pieces=lambda params, planned: list(params),  # every grad taken for the planned one
         same_holders=lambda empty, dicts, held: True,
         same_roles=lambda bare, roleless, blocks, keys, held: True,
-        moved_kept_kinds=lambda tensors, moved, held: True,  # every moved piece taken for its kind
+        same_kinds_where_moved=lambda tensors, moved, held: True,  # every moved piece taken for its kind
     )
     monkeypatch.setattr(_compiled, "_build", lambda: wrong)
     with pytest.raises(RuntimeError, match="answered wrongly: planned_pieces .the planned grad., planned_pieces.*"
-                       "moved_kept_kinds .another shape."):
+                       "same_kinds_where_moved .another shape."):
         _compiled.steady_checks()
 
 
