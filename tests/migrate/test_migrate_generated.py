@@ -327,6 +327,21 @@ def _run(loaded: Mapping[str, Loaded], reads: Mapping[str, tuple[Read, ...]]) ->
     return ranks, run_uninitialised(loaded)
 
 
+def _oracle_differences(case: Case, per_process: list[dict[str, Any]]) -> list[str]:
+    """Where mode d's oracle of a program whose reads run all answer from the collection is not the original's own
+    outcome on the first grid: a read its profile function did not find (and ran on the second grid)."""
+    found = []
+    for rank, result in enumerate(per_process):
+        mixed, original = result["mixed"], result["original"]
+        if all(answer == COLLECTION for _, _, answer in mixed["reads run"]) and any(
+            mixed[key] != original[key] for key in ("value", "raised", "groups")
+        ):
+            gave, expected = mixed["raised"] or mixed["value"], original["raised"] or original["value"]
+            found.append(f"{case.id} rank {rank}: mode d's oracle, every read run on the first grid, gave {gave!r}, "
+                         f"the original there {expected!r}")
+    return found
+
+
 def _fallback_differences(case: Case, per_process: list[dict[str, Any]], reads: tuple[Read, ...]) -> list[str]:
     """Mode d's fallback warnings against those of the reads run that should fall back, on each rank."""
     found = []
@@ -361,6 +376,7 @@ def test_generated_programs_behave_as_their_originals(tmp_path: Path) -> None:
             fell_back += mode == "b" and any(result[mode]["warned"] for result in per_process)
             if mode == "d":
                 found += _fallback_differences(item.case, per_process, reads[key])
+                found += _oracle_differences(item.case, per_process)
                 runs = {run for result in per_process for run in result["mixed"]["reads run"]}
                 excused += sum(1 for run in runs if run[2] != COLLECTION)
                 compared += sum(1 for run in runs if run[2] == COLLECTION)
