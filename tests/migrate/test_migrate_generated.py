@@ -162,12 +162,14 @@ def _treatment_differences(generated: _Generated, left: Mapping[tuple[str, int, 
 
 
 def _state_names() -> list[str]:
+    """The globals ``parallel_state``'s accessors read (as ``fixtures.differential`` takes them)."""
     from megatron.core import parallel_state
 
     return [name for name in vars(parallel_state) if name.startswith("_") and name.isupper()]
 
 
 def _grid_key(arguments: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A grid's key: ``initialize_model_parallel``'s arguments that size its axes."""
     return tuple(sorted((k, v) for k, v in arguments.items() if k != "create_gloo_process_groups"))
 
 
@@ -196,18 +198,24 @@ def _keeping_each_grids_state(states: dict[tuple[tuple[str, Any], ...], dict[str
         parallel_state.initialize_model_parallel, parallel_state.destroy_model_parallel = initialise, destroy
 
 
+def _set_parallel_state(state: Mapping[str, Any]) -> None:
+    from megatron.core import parallel_state
+
+    for name, value in state.items():
+        setattr(parallel_state, name, value)
+
+
 @contextmanager
 def _parallel_state_of(state: Mapping[str, Any]) -> Iterator[None]:
+    """``parallel_state``'s globals set to ``state`` (a grid's, kept), then as they were."""
     from megatron.core import parallel_state
 
     saved = {name: getattr(parallel_state, name) for name in state}
-    for name, value in state.items():
-        setattr(parallel_state, name, value)
+    _set_parallel_state(state)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(parallel_state, name, value)
+        _set_parallel_state(saved)
 
 
 def _remat_dp_is_dp() -> bool:
@@ -222,7 +230,7 @@ def _remat_dp_is_dp() -> bool:
     )
 
 
-def _answers_of_reads(
+def _profile_answering_reads(
     reads: tuple[Read, ...], filename: str, first: Mapping[str, Any], executed: list[tuple[Read, str]]
 ) -> Callable[..., Any]:
     """A profile function that runs each planted read the collection should answer on the first grid's
@@ -257,8 +265,7 @@ def _answers_of_reads(
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "return" and swapped and swapped[-1] is frame:
             swapped.pop()
-            for name, value in second.items():
-                setattr(parallel_state, name, value)
+            _set_parallel_state(second)
         if event != "call" or frame.f_back is None or frame.f_back.f_code.co_filename != filename or swapped:
             return
         caller = frame.f_back
@@ -274,8 +281,7 @@ def _answers_of_reads(
             answer = FALLBACK
         if answer == COLLECTION:
             swapped.append(frame)
-            for name, value in first.items():
-                setattr(parallel_state, name, value)
+            _set_parallel_state(first)
         executed.append((read, answer))
 
     return profile
@@ -289,7 +295,7 @@ def _mixed_outcome(item: Loaded, reads: tuple[Read, ...], rank: int, states: Map
     second = states[_grid_key({_GRID_ARGUMENTS[k]: v for k, v in item.case.second_grid.items()})]
     executed: list[tuple[Read, str]] = []
     with _parallel_state_of(second):
-        profile = _answers_of_reads(reads, item.original.function.__code__.co_filename, first, executed)
+        profile = _profile_answering_reads(reads, item.original.function.__code__.co_filename, first, executed)
         sys.setprofile(profile)
         try:
             outcome = _outcome(item.case, item.original, rank, None)
@@ -302,7 +308,9 @@ def _mixed_outcome(item: Loaded, reads: tuple[Read, ...], rank: int, states: Map
     return outcome
 
 
-def _in_world(loaded: Mapping[str, Loaded], reads: Mapping[str, tuple[Read, ...]]) -> dict[str, dict[str, Any]]:
+def _outcomes_in_world(
+    loaded: Mapping[str, Loaded], reads: Mapping[str, tuple[Read, ...]]
+) -> dict[str, dict[str, Any]]:
     """The harness's outcomes on this rank (modes a to d), and mode d's oracle of each case that runs it."""
     import torch.distributed as dist
 
@@ -315,14 +323,16 @@ def _in_world(loaded: Mapping[str, Loaded], reads: Mapping[str, tuple[Read, ...]
     return out
 
 
-def _run(loaded: Mapping[str, Loaded], reads: Mapping[str, tuple[Read, ...]]) -> tuple[list[dict[str, Any]], Any]:
+def _run_with_oracle(
+    loaded: Mapping[str, Loaded], reads: Mapping[str, tuple[Read, ...]]
+) -> tuple[list[dict[str, Any]], Any]:
     """Every rank's outcomes, a world per package, and this process's (mode e)."""
     from pgregistry.testing import run_world
 
     ranks: list[dict[str, Any]] = [{} for _ in range(4)]
     for tree in sorted({item.case.tree for item in loaded.values()}):
         of_tree = {key: item for key, item in loaded.items() if item.case.tree == tree}
-        for merged, part in zip(ranks, run_world(4, _in_world, of_tree, reads, timeout=60), strict=True):
+        for merged, part in zip(ranks, run_world(4, _outcomes_in_world, of_tree, reads, timeout=60), strict=True):
             merged.update(part)
     return ranks, run_uninitialised(loaded)
 
@@ -366,7 +376,7 @@ def test_generated_programs_behave_as_their_originals(tmp_path: Path) -> None:
     found += [value for value in loaded.values() if not isinstance(value, Loaded)]
     runnable = {key: _with_modes(value) for key, value in loaded.items() if isinstance(value, Loaded)}
     reads = {key: generated.programs[key].reads for key in runnable}
-    ranks, uninitialised = _run(runnable, reads)
+    ranks, uninitialised = _run_with_oracle(runnable, reads)
     blind = fell_back = excused = compared = 0
     for key, item in runnable.items():
         for mode in item.case.modes:
