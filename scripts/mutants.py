@@ -2734,6 +2734,27 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_live_builder_is_waited_for_and_its_library_imported",
         ),
     ),
+    Mutant(
+        name="migrate-any-handler-leaves-the-read",
+        bug="every read inside a try is left as it is, also where no handler around it can catch the fallback "
+        "warning (except AssertionError): the program behaves as before, reading the global grid, so only a check "
+        "of each read's treatment sees it",
+        file="pgregistry/migrate/_caught.py",
+        find="    return any(_may_name_a_warning_class(last_name(n)) for n in names)",
+        replace="    return True",
+        tests=("tests/migrate/test_migrate_generated.py::test_generated_programs_behave_as_their_originals",),
+    ),
+    Mutant(
+        name="migrate-remat-dp-never-from-the-collection",
+        bug="a read of the data-parallel group with GTP remat (get_data_parallel_rank() and the like) is answered "
+        "from the collection's dp only where the collection's gtp_remat is None, not where it has one rank: it "
+        "falls back, and given another grid's collection reads the global one; the whole-program excuse of mode d "
+        "hid it (such a program warns)",
+        file="pgregistry/migrate/_fallback_helper.py",
+        find="    if has_remat and (remat is None or remat.size() == 1):  # then dp spans the very same ranks",
+        replace="    if has_remat and remat is None:  # then dp spans the very same ranks",
+        tests=("tests/migrate/test_migrate_generated.py::test_generated_programs_behave_as_their_originals",),
+    ),
 )
 
 
