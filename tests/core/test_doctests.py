@@ -10,8 +10,9 @@ assembled by hand (``pgregistry.attachments``, the grad statistics' groups and f
 collection ``pgregistry.doors`` is given), a warning caught (``pgregistry.fallback``) or this
 process's state (``pgregistry.recovery``'s generation), grads and shares of groups that are off
 (``None``: no collective), a torch optimizer's state. The doctests of ``EXAMPLES_IN_A_WORLD`` need
-the default process group: they run on the one rank of a gloo world instead (their docstrings say
-so); the other examples that need a world are code blocks (``Example::``), not doctests.
+the default process group: they run on every rank of a gloo world of the size their docstrings
+say (1, 2 or 4 ranks) instead; the other examples that need a world are code blocks
+(``Example::``), not doctests.
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.testing",
 )
 
-EXAMPLES_IN_A_WORLD = (
-    "pgregistry.grad_stats._devices.backend_device",
-    "pgregistry.optim._base.FlatOptimizer",
-    "pgregistry.rng.get_rng_tracker",
-)
-"""The objects whose doctests need the default process group, by dotted name."""
+EXAMPLES_IN_A_WORLD = {
+    "pgregistry.global_grid.global_collection": 2,
+    "pgregistry.global_grid.initialize_global_grid": 2,
+    "pgregistry.grad_stats._devices.backend_device": 1,
+    "pgregistry.optim._base.FlatOptimizer": 1,
+    "pgregistry.registry.build": 4,
+    "pgregistry.registry.communicators_created": 4,
+    "pgregistry.registry.destroy": 2,
+    "pgregistry.rng.get_rng_tracker": 1,
+}
+"""The objects whose doctests need the default process group, by dotted name -> the world's size.
+
+Their docstrings say the size; each runs on every rank of a world of it."""
 
 
 def _needs_a_world(test: doctest.DocTest) -> bool:
@@ -73,8 +81,13 @@ def test_the_docstring_examples_print_what_they_show(name: str) -> None:
     assert runner.failures == 0, report.getvalue()
 
 
-def _run_examples_of(names: tuple[str, ...]) -> tuple[dict[str, int], int, str]:
-    """Each name's count of examples, the failures and their report, run on this rank."""
+def _run_examples_of(names: list[str]) -> tuple[dict[str, int], int, str]:
+    """Each name's count of examples, the failures and their report, run on this rank.
+
+    Each name's examples start with no build (``destroy`` after the one before): one docstring's
+    builds neither help nor hinder the next."""
+    from pgregistry.registry import destroy
+
     report = io.StringIO()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     counts = {}
@@ -85,11 +98,14 @@ def _run_examples_of(names: tuple[str, ...]) -> tuple[dict[str, int], int, str]:
         counts[name] = sum(len(test.examples) for test in found)
         for test in found:
             runner.run(test, out=report.write)
+        destroy()
     return counts, runner.failures, report.getvalue()
 
 
-def test_the_examples_that_need_a_world_print_what_they_show_on_a_rank_of_one() -> None:
-    (outcome,) = run_world(1, _run_examples_of, EXAMPLES_IN_A_WORLD, timeout=60)
-    counts, failures, report = outcome
-    assert all(counts.values()), f"no docstring example: {counts}"
-    assert failures == 0, report
+@pytest.mark.parametrize("size", sorted(set(EXAMPLES_IN_A_WORLD.values())))
+def test_the_examples_that_need_a_world_print_what_they_show_on_every_rank(size: int) -> None:
+    names = [name for name, wanted in EXAMPLES_IN_A_WORLD.items() if wanted == size]
+    outcomes = run_world(size, _run_examples_of, names, timeout=60)
+    for rank, (counts, failures, report) in enumerate(outcomes):
+        assert all(counts.values()), f"rank {rank}: no docstring example: {counts}"
+        assert failures == 0, f"rank {rank}:\n{report}"
