@@ -296,11 +296,13 @@ def recover(
 
     Example::
 
+        pg = build(layout, name="job", timeout=timeout)  # a collective fails in timeout seconds
         try:
             step_once(model, optimizer, pg)  # the step's collectives, then commit(pg), then step
             step += 1
         except RuntimeError:  # a collective failed: a peer died or timed out
-            recovered = recover(pg, store, committed_step=step)  # on every survivor
+            # On every survivor; a wait longer than the timeout: one stuck in a collective arrives
+            recovered = recover(pg, store, committed_step=step, wait=2 * timeout)
             pg = recovered.collection  # rebuild the optimizer and the data shards on it
     """
     import torch.distributed as dist
