@@ -2672,6 +2672,29 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_new_grad_of_another_dtype_or_shape_is_planned_in_full[compiled-shape]",
         ),
     ),
+    Mutant(
+        name="stale-build-example",
+        bug="build's docstring example shows the data-parallel size of its former 8-rank world (4) for the 4 ranks "
+        "it builds",
+        file="pgregistry/registry.py",
+        find="        (2, 2, 4)\n",
+        replace="        (2, 4, 4)\n",
+        tests=(
+            "tests/core/test_doctests.py::"
+            "test_the_examples_that_need_a_world_print_what_they_show_on_every_rank[4]",
+        ),
+    ),
+    Mutant(
+        name="stale-recover-example",
+        bug="recover's docstring example keeps training on the old collection (no pg = recovered.collection)",
+        file="pgregistry/recovery.py",
+        find="            pg = recovered.collection  # rebuild the optimizer and the data shards on it\n",
+        replace="",
+        tests=(
+            "tests/recovery/test_recover_example.py::"
+            "test_recover_docstring_example_leaves_the_survivor_on_the_smaller_world",
+        ),
+    ),
 )
 
 
