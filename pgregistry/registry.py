@@ -57,10 +57,15 @@ class BuildOptions(TypedDict, total=False):
             timeout and the bound of the build itself (``None``: torch's). :func:`build` raises
             ``ValueError`` or ``TypeError`` for another value.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        options: BuildOptions = {"backend": "gloo", "timeout": 60.0}
-        collection = build(layout, name="train", **options)
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.collection import group_size
+        >>> options: BuildOptions = {"backend": "gloo", "timeout": 60.0}
+        >>> collection = build(ParallelLayout(num_ranks=2), name="train", **options)
+        >>> group_size(collection.dp)
+        2
     """
 
     backend: str | None

@@ -5,14 +5,15 @@ set. Each module listed here must hold at least one example, so a module whose e
 dropped fails too. The examples of these modules are plain arithmetic (``pgregistry.rng`` imports
 torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are plain
 records; ``pgregistry.params`` marks a tensor made in the example), checks of a caller's argument
-(``pgregistry.mesh``, ``pgregistry.testing``), names or lookups on small models and collections
+(``pgregistry.mesh``, ``pgregistry.testing``, whose examples also start worlds of their own
+through ``run_world`` from this process), names or lookups on small models and collections
 assembled by hand (``pgregistry.attachments``, the grad statistics' groups and filters, the
 collection ``pgregistry.doors`` is given), a warning caught (``pgregistry.fallback``) or this
 process's state (``pgregistry.recovery``'s generation), grads and shares of groups that are off
 (``None``: no collective), a torch optimizer's state. The doctests of ``EXAMPLES_IN_A_WORLD`` need
 the default process group: they run on every rank of a gloo world of the size their docstrings
-say (1, 2 or 4 ranks) instead; the other examples that need a world are code blocks
-(``Example::``), not doctests.
+say (1, 2 or 4 ranks) instead. An example a doctest cannot hold (a rank that dies) stays a code
+block (``Example::``) that its test runs verbatim (``tests/fixtures/docstring_examples.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import io
+import warnings
 
 import pytest
 
@@ -48,14 +50,23 @@ MODULES_WITH_EXAMPLES = (
 )
 
 EXAMPLES_IN_A_WORLD = {
+    "pgregistry.attachments.attach": 2,
+    "pgregistry.doors.pg_group": 2,
+    "pgregistry.doors.pg_rank": 2,
+    "pgregistry.doors.pg_read": 2,
+    "pgregistry.doors.pg_size": 2,
+    "pgregistry.experts._ep.get_ep_rank_and_size": 4,
+    "pgregistry.fallback.ProcessGroupFallbackWarning": 2,
     "pgregistry.global_grid.global_collection": 2,
     "pgregistry.global_grid.initialize_global_grid": 2,
     "pgregistry.grad_stats._devices.backend_device": 1,
     "pgregistry.optim._base.FlatOptimizer": 1,
+    "pgregistry.registry.BuildOptions": 2,
     "pgregistry.registry.build": 4,
     "pgregistry.registry.communicators_created": 4,
     "pgregistry.registry.destroy": 2,
     "pgregistry.rng.get_rng_tracker": 1,
+    "pgregistry.rng.model_parallel_manual_seed": 2,
 }
 """The objects whose doctests need the default process group, by dotted name -> the world's size.
 
@@ -84,8 +95,9 @@ def test_the_docstring_examples_print_what_they_show(name: str) -> None:
 def _run_examples_of(names: list[str]) -> tuple[dict[str, int], int, str]:
     """Each name's count of examples, the failures and their report, run on this rank.
 
-    Each name's examples start with no build (``destroy`` after the one before): one docstring's
-    builds neither help nor hinder the next."""
+    Each name's examples start with no build (``destroy`` after the one before) and the warning
+    filters the rank started with: one docstring's builds and filters neither help nor hinder the
+    next."""
     from pgregistry.registry import destroy
 
     report = io.StringIO()
@@ -96,8 +108,9 @@ def _run_examples_of(names: list[str]) -> tuple[dict[str, int], int, str]:
         module = importlib.import_module(module_name)
         found = doctest.DocTestFinder().find(getattr(module, attribute), name, module=module)
         counts[name] = sum(len(test.examples) for test in found)
-        for test in found:
-            runner.run(test, out=report.write)
+        with warnings.catch_warnings():  # an example's warning filters end with it
+            for test in found:
+                runner.run(test, out=report.write)
         destroy()
     return counts, runner.failures, report.getvalue()
 
