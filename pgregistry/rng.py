@@ -119,12 +119,14 @@ class RNGStatesTracker:
             that creating a tracker never initialises CUDA). A tracker over private
             ``torch.Generator`` objects is what tests use.
 
-    Example::
-
-        tracker = RNGStatesTracker()
-        tracker.add("model-parallel-rng", 3953)
-        with tracker.fork("model-parallel-rng"):
-            dropout(x)  # draws from the TP rank's own stream
+    Example:
+        >>> import torch
+        >>> tracker = RNGStatesTracker()
+        >>> tracker.add("model-parallel-rng", 3953)
+        >>> with tracker.fork("model-parallel-rng"):
+        ...     drawn = torch.rand(3)  # draws from the TP rank's own stream
+        >>> torch.equal(drawn, torch.rand(3, generator=torch.Generator().manual_seed(3953)))
+        True
     """
 
     def __init__(self, generators: Sequence[torch.Generator] | None = None) -> None:

@@ -51,6 +51,7 @@ MODULES_WITH_EXAMPLES = (
 
 EXAMPLES_IN_A_WORLD = {
     "pgregistry.attachments.attach": 2,
+    "pgregistry.audit.audit_grad_replication": 2,
     "pgregistry.doors.pg_group": 2,
     "pgregistry.doors.pg_rank": 2,
     "pgregistry.doors.pg_read": 2,
@@ -60,6 +61,9 @@ EXAMPLES_IN_A_WORLD = {
     "pgregistry.global_grid.global_collection": 2,
     "pgregistry.global_grid.initialize_global_grid": 2,
     "pgregistry.grad_stats._devices.backend_device": 1,
+    "pgregistry.mesh.from_device_mesh": 4,
+    "pgregistry.mesh.to_device_mesh": 4,
+    "pgregistry.mesh.with_hsdp_groups": 4,
     "pgregistry.optim._base.FlatOptimizer": 1,
     "pgregistry.registry.BuildOptions": 2,
     "pgregistry.registry.build": 4,
