@@ -374,11 +374,18 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
             record, a sharded parameter of FSDP2's), named: their roles cannot be known, so nothing
             is computed from them; the message names the import to move.
 
-    Example::
+    Example:
+        On every rank of a 2-rank gloo world (as :func:`pgregistry.testing.run_world` starts it):
 
-        mark_tensor_parallel(model.proj.weight, partition_dim=0)
-        fully_shard(model)
-        restore_param_roles(model)  # model.proj.weight, now a DTensor, is TP-sharded again
+        >>> import torch
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> model = torch.nn.Module()
+        >>> model.proj = torch.nn.Linear(2, 4)
+        >>> _ = mark_tensor_parallel(model.proj.weight, partition_dim=0)
+        >>> _ = fully_shard(model, mesh=torch.distributed.init_device_mesh("cpu", (2,)))
+        >>> restore_param_roles(model)  # model.proj.weight, now a DTensor, is TP-sharded again
+        >>> type(model.proj.weight.data).__name__, param_roles(model.proj.weight)["partition_dim"]
+        ('DTensor', 0)
     """
     originals: dict[int, int | None] | None = None
     unseen: list[str] = []

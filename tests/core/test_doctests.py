@@ -80,6 +80,7 @@ EXAMPLES_IN_A_WORLD = {
     "pgregistry.optim._setup.OptimizerProcessGroups": 2,
     "pgregistry.optim._setup.setup_process_groups_for_optimizer": 2,
     "pgregistry.optim._sharded.ShardedOptimizer": 2,
+    "pgregistry.params.restore_param_roles": 2,
     "pgregistry.registry.BuildOptions": 2,
     "pgregistry.registry.build": 4,
     "pgregistry.registry.communicators_created": 4,
