@@ -2691,7 +2691,7 @@ MUTANTS: tuple[Mutant, ...] = (
         find="            pg = recovered.collection  # rebuild the optimizer and the data shards on it\n",
         replace="",
         tests=(
-            "tests/recovery/test_recover_example.py::"
+            "tests/recovery/test_recovery_examples.py::"
             "test_recover_docstring_example_leaves_the_survivor_on_the_smaller_world",
         ),
     ),
