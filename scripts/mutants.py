@@ -2695,6 +2695,17 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_recover_docstring_example_leaves_the_survivor_on_the_smaller_world",
         ),
     ),
+    Mutant(
+        name="stale-checkpoint-example",
+        bug="load_rank_files' docstring example loads the model alone: the optimizer's state is lost",
+        file="pgregistry/checkpoint/_rank_files.py",
+        find='        load_rank_files("ckpt/step-100", model, optimizer)\n',
+        replace='        load_rank_files("ckpt/step-100", model)\n',
+        tests=(
+            "tests/core/test_checkpoint_docstring_examples.py::"
+            "test_the_checkpoint_examples_load_what_they_saved[save_rank_files-load_rank_files-False]",
+        ),
+    ),
 )
 
 

@@ -18,8 +18,7 @@ import pytest
 import torch
 from fixtures.docstring_examples import example_code
 
-from pgregistry import ParallelLayout, attach, build, build_optimizer
-from pgregistry import checkpoint
+from pgregistry import ParallelLayout, attach, build, build_optimizer, checkpoint
 from pgregistry.testing import run_world
 
 INIT, GRAD, LR = (1.0, 2.0), (3.0, 4.0), 1e-3
