@@ -41,10 +41,19 @@ def attach(model: nn.Module | Sequence[nn.Module], collection: ProcessGroupColle
 
     Attaching a module again replaces its collection (a layout rebuilt, or shrunk after a failure).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        attach(model, build(layout))
-        norm = grad_norm(model)  # on the attached collection, no fallback warning
+        >>> import warnings
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, ProcessGroupFallbackWarning, build, grad_norm
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> attach(model, build(ParallelLayout(num_ranks=2, tp=2)))
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("error", ProcessGroupFallbackWarning)
+        ...     grad_norm(model)  # on the attached collection, no fallback warning
+        tensor(5.)
     """
     if not isinstance(collection, ProcessGroupCollection):
         raise TypeError(f"attach expects a ProcessGroupCollection, got {type(collection).__name__}")

@@ -359,10 +359,17 @@ def audit_grad_replication(
         ValueError: a needed group unset (named); on every rank, the ranks of a group holding
             different parameter structures.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        report = audit_grad_replication(model, pg)
-        assert report.ok, report
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model(torch.ones(1, 2)).sum().backward()  # the same grads on both TP ranks
+        >>> report = audit_grad_replication(model, pg)  # unmarked: replicated over TP, as measured
+        >>> report.ok
+        True
     """
     params = normalise_params(model_or_params)
     collection = resolve_pg_collection(

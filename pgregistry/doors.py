@@ -88,10 +88,14 @@ def pg_read(pg_collection: ProcessGroupCollection | None, field: str, kind: str)
             middle pipeline stage).
         RuntimeError: no collection and no global grid.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        # was parallel_state.get_tensor_model_parallel_src_rank()
-        src = pg_read(pg_collection, "tp", "src_rank")
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg_collection = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> # was parallel_state.get_tensor_model_parallel_src_rank()
+        >>> pg_read(pg_collection, "tp", "src_rank")
+        0
 
     An axis that is off is this rank alone; a field this rank is in no group of refuses all but
     ``group``:
@@ -124,10 +128,15 @@ def pg_group(pg_collection: ProcessGroupCollection | None, field: str) -> Any:
         ValueError: as :func:`pg_read`.
         RuntimeError: as :func:`pg_read`.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        # was parallel_state.get_tensor_model_parallel_group()
-        group = pg_group(pg_collection, "tp")
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg_collection = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> # was parallel_state.get_tensor_model_parallel_group()
+        >>> torch.distributed.get_process_group_ranks(pg_group(pg_collection, "tp"))
+        [0, 1]
     """
     return _read_field(pg_collection, field, "group")
 
@@ -146,10 +155,15 @@ def pg_rank(pg_collection: ProcessGroupCollection | None, field: str) -> int:
         ValueError: as :func:`pg_read`.
         RuntimeError: as :func:`pg_read`.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        # was parallel_state.get_tensor_model_parallel_rank()
-        rank = pg_rank(pg_collection, "tp")
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg_collection = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> # was parallel_state.get_tensor_model_parallel_rank()
+        >>> pg_rank(pg_collection, "tp") == torch.distributed.get_rank()
+        True
     """
     return int(_read_field(pg_collection, field, "rank"))
 
@@ -168,10 +182,14 @@ def pg_size(pg_collection: ProcessGroupCollection | None, field: str) -> int:
         ValueError: as :func:`pg_read`.
         RuntimeError: as :func:`pg_read`.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        # was parallel_state.get_tensor_model_parallel_world_size()
-        size = pg_size(pg_collection, "tp")
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg_collection = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> # was parallel_state.get_tensor_model_parallel_world_size()
+        >>> pg_size(pg_collection, "tp")
+        2
     """
     return int(_read_field(pg_collection, field, "size"))
 

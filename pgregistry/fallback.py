@@ -42,10 +42,20 @@ class ProcessGroupFallbackWarning(UserWarning):
     error::pgregistry.ProcessGroupFallbackWarning``. Importing :mod:`pgregistry` does not import
     torch, so the filter works from the command line.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        warnings.simplefilter("error", pgregistry.ProcessGroupFallbackWarning)
-        clip_grad_norm_(model.parameters(), 1.0)  # raises where no collection was given or attached
+        >>> import warnings
+        >>> import torch
+        >>> import pgregistry
+        >>> from pgregistry.global_grid import initialize_global_grid
+        >>> _ = initialize_global_grid(pgregistry.ParallelLayout(num_ranks=2))
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> warnings.simplefilter("error", pgregistry.ProcessGroupFallbackWarning)
+        >>> pgregistry.clip_grad_norm_(model.parameters(), 1.0)  # none given or attached: raises
+        Traceback (most recent call last):
+        pgregistry.fallback.ProcessGroupFallbackWarning: clip_grad_norm_ was not given ...
     """
 
 

@@ -45,10 +45,22 @@ def initialize_global_grid(
         RuntimeError: a global grid exists whose groups :func:`pgregistry.registry.destroy` has not
             destroyed.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        initialize_global_grid(ParallelLayout(num_ranks=8, tp=2), timeout=60)  # on every rank
-        grad_norm(model)  # none given or attached: the global grid's, with the fallback warning
+        >>> import warnings
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, grad_norm
+        >>> _ = initialize_global_grid(ParallelLayout(num_ranks=2, tp=2), timeout=60)
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> weight.grad = torch.tensor([3.0, 4.0])
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     norm = grad_norm([weight])  # none given or attached: the global grid's
+        >>> norm
+        tensor(5.)
+        >>> print(caught[0].message)
+        grad_norm was not given a ProcessGroupCollection ... the global grid; pass ...
     """
     from pgregistry import registry
 
@@ -84,12 +96,18 @@ def global_collection(default: object = _RAISE) -> object:
         RuntimeError: none is initialised (or it was destroyed) and no ``default`` is given; the
             message says which and how to initialise one.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world:
 
-        initialize_global_grid(ParallelLayout(num_ranks=8, tp=2))
-        global_collection().get("tp")  # this rank's tp group
-        pgregistry.registry.destroy()
-        global_collection(None)  # None: the grid was destroyed
+        >>> from pgregistry import ParallelLayout
+        >>> from pgregistry.collection import group_size
+        >>> from pgregistry.registry import destroy
+        >>> _ = initialize_global_grid(ParallelLayout(num_ranks=2, tp=2))
+        >>> group_size(global_collection().get("tp"))  # this rank's tp group: both ranks
+        2
+        >>> destroy()
+        >>> print(global_collection(None))  # the grid was destroyed
+        None
     """
     if _grid is None or _grid.is_destroyed:
         if default is _RAISE:

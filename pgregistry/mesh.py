@@ -85,10 +85,16 @@ def from_device_mesh(
             an unknown or repeated dim, a flattening over a mesh smaller than the world, or this
             rank outside the mesh it flattens.
 
-    Example::
+    Example:
+        On every rank of a 4-rank gloo world (as :func:`pgregistry.testing.run_world` starts it;
+        ``"cuda"`` for the meshes of an NCCL one):
 
-        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
-        pg = from_device_mesh(mesh, {"tp": "tp", "dp_cp": "dp"})
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from pgregistry.collection import group_size
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> pg = from_device_mesh(mesh, {"tp": "tp", "dp_cp": "dp"})
+        >>> group_size(pg.tp), group_size(pg.dp_cp)
+        (2, 2)
     """
     if not hasattr(mesh, "mesh_dim_names") or not hasattr(mesh, "get_group"):
         raise TypeError(
@@ -194,10 +200,20 @@ def to_device_mesh(
             not one distinct name per field; two dims sharing ranks (``("dp_cp", "cp")``: not a
             grid); or ``inter_dist_opt`` leaving the data-parallel group its shard dim splits.
 
-    Example::
+    Example:
+        On every rank of a 4-rank gloo world (as :func:`pgregistry.testing.run_world` starts it;
+        ``"cuda"`` for the meshes of an NCCL one):
 
-        fsdp_tp = to_device_mesh(pg, ("dp_cp", "tp"), "cuda", dim_names=("dp_shard", "tp"))
-        model = fully_shard(model, mesh=fsdp_tp["dp_shard"])
+        >>> import torch
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=4, tp=2))
+        >>> fsdp_tp = to_device_mesh(pg, ("dp_cp", "tp"), "cpu", dim_names=("dp_shard", "tp"))
+        >>> fsdp_tp.mesh.tolist()  # a row per data-parallel rank, the TP pairs across
+        [[0, 1], [2, 3]]
+        >>> model = fully_shard(torch.nn.Linear(4, 4), mesh=fsdp_tp["dp_shard"])
+        >>> model.weight.placements
+        (Shard(dim=0),)
     """
     import torch
     import torch.distributed as dist
@@ -369,10 +385,15 @@ def with_hsdp_groups(
             destroyed collection; one assembled by hand (no layout); ``replicas`` not dividing the
             dense or the expert data-parallel size (Megatron-Core requires both).
 
-    Example::
+    Example:
+        On every rank of a 4-rank gloo world (as :func:`pgregistry.testing.run_world` starts it;
+        ``"cuda"`` for the meshes of an NCCL one):
 
-        pg = with_hsdp_groups(build(ParallelLayout(num_ranks=8, tp=2)), replicas=2)
-        hsdp = to_device_mesh(pg, ("inter_dist_opt", "intra_dp_cp"), "cuda")
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = with_hsdp_groups(build(ParallelLayout(num_ranks=4)), replicas=2)
+        >>> hsdp = to_device_mesh(pg, ("inter_dist_opt", "intra_dp_cp"), "cpu")
+        >>> hsdp.mesh.tolist()  # 2 replicas, each sharded over 2 ranks
+        [[0, 1], [2, 3]]
     """
     from pgregistry._runtime.agreement import check_agreement, require_distributed
     from pgregistry._runtime.group_cache import CACHE, GroupOptions

@@ -184,9 +184,12 @@ def mark_tensor_parallel(param: T, partition_dim: int, stride: int = 1) -> T:
         TypeError: ``param`` not a tensor; ``partition_dim`` or ``stride`` not an int.
         ValueError: ``partition_dim`` not a dim of ``param``; ``stride`` below 1.
 
-    Example::
-
-        mark_tensor_parallel(column_parallel.weight, partition_dim=0)
+    Example:
+        >>> import torch
+        >>> column_parallel = torch.nn.Linear(2, 4)  # this rank's rows of the weight
+        >>> weight = mark_tensor_parallel(column_parallel.weight, partition_dim=0)
+        >>> param_roles(weight)
+        {'tensor_model_parallel': True, 'partition_dim': 0, 'partition_stride': 1}
     """
     _require_tensor(param, "mark_tensor_parallel")
     for option, value in (("partition_dim", partition_dim), ("stride", stride)):
@@ -218,10 +221,13 @@ def mark_expert(param: T) -> T:
     Raises:
         TypeError: ``param`` not a tensor.
 
-    Example::
-
-        for param in experts.parameters():
-            mark_expert(param)
+    Example:
+        >>> import torch
+        >>> experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+        >>> for param in experts.parameters():
+        ...     _ = mark_expert(param)
+        >>> all(is_expert_param(param) for param in experts.parameters())
+        True
     """
     _require_tensor(param, "mark_expert")
     return _set_roles(param, allreduce=False)
@@ -314,9 +320,13 @@ def copy_param_roles(src: torch.Tensor, dst: T) -> T:
     Raises:
         TypeError: ``src`` or ``dst`` not a tensor.
 
-    Example::
-
-        main = copy_param_roles(param, param.detach().float())
+    Example:
+        >>> import torch
+        >>> param = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.bfloat16))
+        >>> param = mark_tensor_parallel(param, partition_dim=0)
+        >>> main = copy_param_roles(param, param.detach().float())
+        >>> param_roles(main) == param_roles(param)
+        True
     """
     _require_tensor(src, "copy_param_roles")
     _require_tensor(dst, "copy_param_roles")
@@ -364,11 +374,18 @@ def restore_param_roles(model: nn.Module | Sequence[nn.Module]) -> None:
             record, a sharded parameter of FSDP2's), named: their roles cannot be known, so nothing
             is computed from them; the message names the import to move.
 
-    Example::
+    Example:
+        On every rank of a 2-rank gloo world (as :func:`pgregistry.testing.run_world` starts it):
 
-        mark_tensor_parallel(model.proj.weight, partition_dim=0)
-        fully_shard(model)
-        restore_param_roles(model)  # model.proj.weight, now a DTensor, is TP-sharded again
+        >>> import torch
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> model = torch.nn.Module()
+        >>> model.proj = torch.nn.Linear(2, 4)
+        >>> _ = mark_tensor_parallel(model.proj.weight, partition_dim=0)
+        >>> _ = fully_shard(model, mesh=torch.distributed.init_device_mesh("cpu", (2,)))
+        >>> restore_param_roles(model)  # model.proj.weight, now a DTensor, is TP-sharded again
+        >>> type(model.proj.weight.data).__name__, param_roles(model.proj.weight)["partition_dim"]
+        ('DTensor', 0)
     """
     originals: dict[int, int | None] | None = None
     unseen: list[str] = []
@@ -629,11 +646,14 @@ def mark_expert_module(module: nn.Module) -> nn.Module:
         TypeError: a tensor (:func:`mark_expert` marks a parameter) or anything else that is not a
             module.
 
-    Example::
-
-        mark_expert_module(layer.mlp.experts)
-        for param in layer.mlp.experts.parameters():
-            mark_expert(param)
+    Example:
+        >>> import torch
+        >>> experts = torch.nn.Linear(2, 2)  # a layer's experts (layer.mlp.experts)
+        >>> _ = mark_expert_module(experts)
+        >>> for param in experts.parameters():
+        ...     _ = mark_expert(param)
+        >>> is_expert_module(experts), all(map(is_expert_param, experts.parameters()))
+        (True, True)
     """
     if isinstance(module, torch.Tensor):
         raise TypeError(

@@ -223,12 +223,20 @@ def commit(collection: ProcessGroupCollection) -> None:
         ValueError: a destroyed collection (the one before a recovery: commit on
             :attr:`Recovered.collection`); one whose ``intra_dist_opt`` is not set.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        loss.backward()
-        clip_grad_norm_(model, 1.0, pg)
-        commit(pg)  # raises on every survivor when a rank was lost in the step
-        optimizer.step()
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build, build_optimizer, clip_grad_norm_
+        >>> pg = build(ParallelLayout(num_ranks=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> optimizer = build_optimizer(model, pg)
+        >>> loss = model(torch.tensor([[3.0, 4.0]])).sum()
+        >>> loss.backward()
+        >>> clip_grad_norm_(model, 1.0, pg)
+        tensor(5.)
+        >>> commit(pg)  # raises on every survivor when a rank was lost in the step
+        >>> optimizer.step()
     """
     import torch
     import torch.distributed as dist
@@ -296,11 +304,13 @@ def recover(
 
     Example::
 
+        pg = build(layout, name="job", timeout=timeout)  # a collective fails in timeout seconds
         try:
             step_once(model, optimizer, pg)  # the step's collectives, then commit(pg), then step
             step += 1
         except RuntimeError:  # a collective failed: a peer died or timed out
-            recovered = recover(pg, store, committed_step=step)  # on every survivor
+            # On every survivor; a wait longer than the timeout: one stuck in a collective arrives
+            recovered = recover(pg, store, committed_step=step, wait=2 * timeout)
             pg = recovered.collection  # rebuild the optimizer and the data shards on it
     """
     import torch.distributed as dist

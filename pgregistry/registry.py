@@ -57,10 +57,15 @@ class BuildOptions(TypedDict, total=False):
             timeout and the bound of the build itself (``None``: torch's). :func:`build` raises
             ``ValueError`` or ``TypeError`` for another value.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        options: BuildOptions = {"backend": "gloo", "timeout": 60.0}
-        collection = build(layout, name="train", **options)
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.collection import group_size
+        >>> options: BuildOptions = {"backend": "gloo", "timeout": 60.0}
+        >>> collection = build(ParallelLayout(num_ranks=2), name="train", **options)
+        >>> group_size(collection.dp)
+        2
     """
 
     backend: str | None
@@ -116,12 +121,17 @@ def build(
 
     All of these are raised on every rank alike.
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        layout = ParallelLayout(num_ranks=8, tp=2, ep=4, expt_tp=1)  # on every rank of 8
-        pg = build(layout, name="policy")
-        group_size(pg.tp), group_size(pg.dp)  # (2, 4)
-        build(layout, name="policy") is pg  # True: built once, the same collection again
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.collection import group_size
+        >>> layout = ParallelLayout(num_ranks=4, tp=2, ep=4, expt_tp=1)
+        >>> pg = build(layout, name="policy")
+        >>> group_size(pg.tp), group_size(pg.dp), group_size(pg.ep)
+        (2, 2, 4)
+        >>> build(layout, name="policy") is pg  # built once: the same collection again
+        True
     """
     require_distributed("pgregistry.build")
     options, described, fault = check_group_options(backend, timeout)
@@ -316,12 +326,20 @@ def communicators_created() -> int:
     Returns:
         The count of those made by ``new_group`` or ``split_group`` (adopted ones left out).
 
-    Example::
+    Example:
+        On every rank of a 4-rank world:
 
-        build(layout)
-        made = communicators_created()
-        build(layout, name="again")  # the same rank sets: their communicators are reused
-        assert communicators_created() == made
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.registry import communicators_created
+        >>> layout = ParallelLayout(num_ranks=4, tp=2)
+        >>> before = communicators_created()
+        >>> _ = build(layout)
+        >>> made = communicators_created()
+        >>> made > before
+        True
+        >>> _ = build(layout, name="again")  # the same rank sets: their communicators are reused
+        >>> communicators_created() == made
+        True
     """
     return CACHE.created
 
@@ -335,12 +353,18 @@ def destroy() -> None:
     tests that build again; a later :func:`build` creates new groups. With ``torch.distributed`` not
     initialised it only forgets.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world:
 
-        collection = build(layout)
-        ...
-        destroy()
-        collection.is_destroyed  # True: an entry point given it raises, naming destroy()
+        >>> from pgregistry import ParallelLayout, build, grad_norm
+        >>> from pgregistry.registry import destroy
+        >>> collection = build(ParallelLayout(num_ranks=2), name="job")
+        >>> destroy()
+        >>> collection.is_destroyed
+        True
+        >>> grad_norm([], collection)  # an entry point given it raises, naming destroy()
+        Traceback (most recent call last):
+        ValueError: grad_norm was given layout 'job' ...destroy() destroyed; build the layout again
     """
     global _lifetime
     CACHE.destroy()

@@ -119,12 +119,14 @@ class RNGStatesTracker:
             that creating a tracker never initialises CUDA). A tracker over private
             ``torch.Generator`` objects is what tests use.
 
-    Example::
-
-        tracker = RNGStatesTracker()
-        tracker.add("model-parallel-rng", 3953)
-        with tracker.fork("model-parallel-rng"):
-            dropout(x)  # draws from the TP rank's own stream
+    Example:
+        >>> import torch
+        >>> tracker = RNGStatesTracker()
+        >>> tracker.add("model-parallel-rng", 3953)
+        >>> with tracker.fork("model-parallel-rng"):
+        ...     drawn = torch.rand(3)  # draws from the TP rank's own stream
+        >>> torch.equal(drawn, torch.rand(3, generator=torch.Generator().manual_seed(3953)))
+        True
     """
 
     def __init__(self, generators: Sequence[torch.Generator] | None = None) -> None:
@@ -586,11 +588,18 @@ def model_parallel_manual_seed(
             member of, or destroyed.
         RuntimeError: the tracker is inside a fork.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        seeds = model_parallel_manual_seed(1234, pg)
-        with get_rng_tracker().fork():  # the model-parallel stream
-            init.normal_(weight)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> seeds = model_parallel_manual_seed(1234, pg)
+        >>> seeds["model-parallel-rng"] - 1234 - 2718 == torch.distributed.get_rank()  # TP rank
+        True
+        >>> weight = torch.empty(2, 2)
+        >>> with get_rng_tracker().fork():  # the model-parallel stream
+        ...     _ = torch.nn.init.normal_(weight)
     """
     require_flag(data_parallel_random_init, "data_parallel_random_init")
     fields = seed_fields(data_parallel_random_init)

@@ -2755,6 +2755,40 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="    if has_remat and remat is None:  # then dp spans the very same ranks",
         tests=("tests/migrate/test_migrate_generated.py::test_generated_programs_behave_as_their_originals",),
     ),
+    Mutant(
+        name="stale-build-example",
+        bug="build's docstring example shows the data-parallel size of its former 8-rank world (4) for the 4 ranks "
+        "it builds",
+        file="pgregistry/registry.py",
+        find="        (2, 2, 4)\n",
+        replace="        (2, 4, 4)\n",
+        tests=(
+            "tests/core/test_doctests.py::"
+            "test_the_examples_that_need_a_world_print_what_they_show_on_every_rank[4]",
+        ),
+    ),
+    Mutant(
+        name="stale-recover-example",
+        bug="recover's docstring example keeps training on the old collection (no pg = recovered.collection)",
+        file="pgregistry/recovery.py",
+        find="            pg = recovered.collection  # rebuild the optimizer and the data shards on it\n",
+        replace="",
+        tests=(
+            "tests/recovery/test_recovery_examples.py::"
+            "test_recover_docstring_example_leaves_the_survivor_on_the_smaller_world",
+        ),
+    ),
+    Mutant(
+        name="stale-checkpoint-example",
+        bug="load_rank_files' docstring example loads the model alone: the optimizer's state is lost",
+        file="pgregistry/checkpoint/_rank_files.py",
+        find='        load_rank_files("ckpt/step-100", model, optimizer)\n',
+        replace='        load_rank_files("ckpt/step-100", model)\n',
+        tests=(
+            "tests/core/test_checkpoint_docstring_examples.py::"
+            "test_the_checkpoint_examples_load_what_they_saved[save_rank_files-load_rank_files-False]",
+        ),
+    ),
 )
 
 

@@ -30,10 +30,18 @@ def get_ep_rank_and_size(pg_collection: ProcessGroupCollection | None = None) ->
         TypeError: ``pg_collection`` neither a collection nor ``None``.
         ValueError: a collection this rank is not a member of, or destroyed.
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), a model
+        of 8 experts, 2 on each rank:
 
-        ep_rank, ep_size = get_ep_rank_and_size(collection_of(model))
-        first_expert = ep_rank * num_experts // ep_size
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, attach, build, collection_of
+        >>> model, num_experts = torch.nn.Linear(2, 2), 8
+        >>> attach(model, build(ParallelLayout(num_ranks=4, ep=4, expt_tp=1)))
+        >>> ep_rank, ep_size = get_ep_rank_and_size(collection_of(model))
+        >>> first_expert = ep_rank * num_experts // ep_size
+        >>> ep_size, first_expert == 2 * torch.distributed.get_rank()
+        (4, True)
     """
     collection = resolve_pg_collection(
         pg_collection, owner="get_ep_rank_and_size", fallback=("ep",)

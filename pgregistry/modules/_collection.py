@@ -44,14 +44,18 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
             spans share ranks (each naming the culprit).
         TypeError: A value that is not a collection (named).
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        vision = build(ParallelLayout(num_ranks=4, tp=2), name="vision")
-        language = build(ParallelLayout(num_ranks=4, rank_offset=4, tp=4), name="language")
-        modules = MultiModuleCollection(
-            {"vision": vision, "language": language}, language_model="language", disjoint=True
-        )
-        modules.here()  # ("vision",) on ranks 0-3, ("language",) on ranks 4-7
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> vision = build(ParallelLayout(num_ranks=2, tp=2), name="vision")
+        >>> language = build(ParallelLayout(num_ranks=2, rank_offset=2, tp=2), name="language")
+        >>> modules = MultiModuleCollection(
+        ...     {"vision": vision, "language": language}, language_model="language", disjoint=True
+        ... )
+        >>> modules.here() == (("vision",) if torch.distributed.get_rank() < 2 else ("language",))
+        True
     """
 
     __slots__ = ("_modules", "_language_model", "_disjoint")
@@ -181,13 +185,17 @@ def build_modules(
             declared disjoint whose spans overlap (before any group is created); a bad ``backend``
             or ``timeout``.
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        modules = build_modules(
-            {"encoder": ParallelLayout(num_ranks=2, tp=2),
-             "llm": ParallelLayout(num_ranks=6, tp=2, rank_offset=2)},
-            language_model="llm", disjoint=True,
-        )
+        >>> from pgregistry import ParallelLayout
+        >>> modules = build_modules(
+        ...     {"encoder": ParallelLayout(num_ranks=2, tp=2),
+        ...      "llm": ParallelLayout(num_ranks=2, tp=2, rank_offset=2)},
+        ...     language_model="llm", disjoint=True,
+        ... )
+        >>> [modules[name].layout.rank_range() for name in ("encoder", "llm")]
+        [(0, 2), (2, 4)]
     """
     from pgregistry import registry
     from pgregistry._runtime.agreement import check_agreement, combine_faults, require_distributed

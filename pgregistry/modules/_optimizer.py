@@ -81,12 +81,27 @@ class MultiModuleOptimizer:
             :class:`~pgregistry.optim.ChainedOptimizer`, or ``modules`` that is no
             :class:`MultiModuleCollection`.
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), module
+        ``"vision"`` on ranks 0-1 and ``"llm"`` on ranks 2-3:
 
-        optimizer = MultiModuleOptimizer(
-            {"vision": pgregistry.optim.build_optimizer(vision_model, modules["vision"])}, modules
-        )  # on ranks 0-3; ranks 4-7 pass their language model's
-        stepped, grad_norm, _ = optimizer.step(max_norm=1.0)  # the same verdict on every rank
+        >>> import torch
+        >>> from pgregistry import ParallelLayout
+        >>> from pgregistry.modules import build_modules
+        >>> modules = build_modules(
+        ...     {"vision": ParallelLayout(num_ranks=2),
+        ...      "llm": ParallelLayout(num_ranks=2, rank_offset=2)}
+        ... )
+        >>> (name,) = modules.here()
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> model.weight.grad = torch.tensor([[3.0, 0.0]] if name == "vision" else [[0.0, 4.0]])
+        >>> from pgregistry.optim import build_optimizer
+        >>> optimizer = MultiModuleOptimizer(
+        ...     {name: build_optimizer(model, modules[name])}, modules
+        ... )  # "vision" on ranks 0-1; ranks 2-3 pass their language model's
+        >>> optimizer.step(max_norm=1.0)[:2]  # the same verdict on every rank: stepped, norm
+        (True, 5.0)
     """
 
     __slots__ = ("_optimizers", "_modules")
@@ -424,9 +439,27 @@ def build_optimizer(
             job, an option out of range (``lr=-1``); a module whose optimizer fails to build all the
             same, after the builds.
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), module
+        ``"vision"`` on ranks 0-1 and ``"llm"`` on ranks 2-3:
 
-        optimizer = build_optimizer(models_here, modules, lr=1e-4, per_module={"llm": {"lr": 3e-4}})
+        >>> import torch
+        >>> from pgregistry import ParallelLayout
+        >>> from pgregistry.modules import build_modules
+        >>> modules = build_modules(
+        ...     {"vision": ParallelLayout(num_ranks=2),
+        ...      "llm": ParallelLayout(num_ranks=2, rank_offset=2)}
+        ... )
+        >>> (name,) = modules.here()
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> models_here = {name: model}
+        >>> per_module = {"llm": {"lr": 3e-4}}
+        >>> optimizer = build_optimizer(models_here, modules, lr=1e-4, per_module=per_module)
+        >>> _ = optimizer.step()  # Adam's first step: each module's lr against the grad's sign
+        >>> round(-float(model.weight.detach()[0, 0]), 6) == {"vision": 1e-4, "llm": 3e-4}[name]
+        True
     """
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(

@@ -71,11 +71,18 @@ def seed_modules(
             module (on any rank of its span, in any stream) that is a seed of another module, naming
             both (it would take a collision of 48-bit hashes).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        trackers = seed_modules(1234, modules)
-        with trackers["encoder"].fork():
-            encoder_dropout(x)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout
+        >>> from pgregistry.modules import build_modules
+        >>> modules = build_modules({"encoder": ParallelLayout(num_ranks=2, tp=2)})
+        >>> trackers = seed_modules(1234, modules)
+        >>> with trackers["encoder"].fork():  # the encoder's model-parallel stream
+        ...     x = torch.nn.functional.dropout(torch.ones(4), p=0.5)
+        >>> sorted(trackers)
+        ['encoder']
     """
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(

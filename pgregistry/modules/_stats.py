@@ -97,9 +97,22 @@ def grad_norm(
             the module's statistics refuse (an unclassified expert parameter, another collection
             attached); a tensor in the models of two modules a rank runs (counted in both).
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), module
+        ``"a"`` on ranks 0-1 and ``"b"`` on ranks 2-3:
 
-        norm = grad_norm({name: models[name] for name in modules.here()}, modules)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout
+        >>> from pgregistry.modules import build_modules
+        >>> modules = build_modules(
+        ...     {"a": ParallelLayout(num_ranks=2), "b": ParallelLayout(num_ranks=2, rank_offset=2)}
+        ... )
+        >>> (name,) = modules.here()
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> weight.grad = torch.tensor([0.0, 3.0]) if name == "a" else torch.tensor([0.0, 4.0])
+        >>> models = {"a": [weight], "b": [weight]}  # each rank's copy of both, say
+        >>> grad_norm({name: models[name] for name in modules.here()}, modules)
+        tensor(5.)
     """
     owner, options = "pgregistry.modules.grad_norm", {"norm_type": repr(norm_type)}
     checked = _agree_on_models(
@@ -124,9 +137,22 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
     Raises:
         ValueError: as :func:`grad_norm`.
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), module
+        ``"a"`` on ranks 0-1 and ``"b"`` on ranks 2-3:
 
-        zeros = count_zeros(models_here, modules)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout
+        >>> from pgregistry.modules import build_modules
+        >>> modules = build_modules(
+        ...     {"a": ParallelLayout(num_ranks=2), "b": ParallelLayout(num_ranks=2, rank_offset=2)}
+        ... )
+        >>> (name,) = modules.here()
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> weight.grad = torch.tensor([0.0, 3.0]) if name == "a" else torch.tensor([0.0, 4.0])
+        >>> models_here = {name: [weight]}
+        >>> count_zeros(models_here, modules)  # one in each module
+        2
     """
     owner = "pgregistry.modules.count_zeros"
     checked = _agree_on_models(models, modules, owner, {})
@@ -174,9 +200,24 @@ def clip_grad_norm_(
             finite number; a grad tensor in two modules' models on a rank (scaled once per module).
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), module
+        ``"a"`` on ranks 0-1 and ``"b"`` on ranks 2-3:
 
-        norm = clip_grad_norm_(models_here, 1.0, modules)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout
+        >>> from pgregistry.modules import build_modules
+        >>> modules = build_modules(
+        ...     {"a": ParallelLayout(num_ranks=2), "b": ParallelLayout(num_ranks=2, rank_offset=2)}
+        ... )
+        >>> (name,) = modules.here()
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> weight.grad = torch.tensor([0.0, 3.0]) if name == "a" else torch.tensor([0.0, 4.0])
+        >>> models_here = {name: [weight]}
+        >>> clip_grad_norm_(models_here, 1.0, modules)  # the norm before clipping
+        tensor(5.)
+        >>> round(float(weight.grad[1]), 4) == {"a": 0.6, "b": 0.8}[name]  # 3/5 and 4/5: scaled
+        True
     """
     options = {
         "max_norm": repr(max_norm),

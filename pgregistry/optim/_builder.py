@@ -75,10 +75,22 @@ def inner_factory(
         ValueError: an unknown ``optimizer`` name; a number that is negative, NaN or infinite, a
             beta outside [0, 1); a number the rule does not read (``momentum`` for Adam).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        inner = inner_factory("adamw", lr=3e-4, weight_decay=0.1)
-        optimizer = MixedPrecisionOptimizer(params, groups, inner=inner)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> from pgregistry.optim import MixedPrecisionOptimizer, setup_process_groups_for_optimizer
+        >>> groups = setup_process_groups_for_optimizer(build(ParallelLayout(num_ranks=2)))
+        >>> params = model.parameters()
+        >>> inner = inner_factory("adamw", lr=3e-4, weight_decay=0.1)
+        >>> optimizer = MixedPrecisionOptimizer(params, groups, inner=inner)
+        >>> optimizer.step()
+        >>> model.weight.detach()
+        tensor([[-0.0003, -0.0003]])
     """
     options = {
         "optimizer": optimizer,
@@ -174,11 +186,18 @@ def build_optimizer(
             rank of the statistics group, float64 parameters under ``mixed_precision=True`` (their
             float32 main copies would round them), named on the ranks holding them.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        optimizer = build_optimizer(model, pg, optimizer="adamw", lr=3e-4, weight_decay=0.1)
-        clip_grad_norm_(model, 1.0, pg)
-        optimizer.step()
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build, clip_grad_norm_
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])  # replicated over TP: counted once
+        >>> optimizer = build_optimizer(model, pg, optimizer="adamw", lr=3e-4, weight_decay=0.1)
+        >>> clip_grad_norm_(model, 1.0, pg)
+        tensor(5.)
+        >>> optimizer.step()
     """
     rule: dict[str, Any] = {
         "lr": lr,

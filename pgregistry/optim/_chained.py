@@ -41,11 +41,25 @@ class ChainedOptimizer(OptimizerStatistics):
         ValueError: no children; a child twice, or a parameter in two children (named).
         TypeError: a child that is no pgregistry flat optimizer.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        dense = MixedPrecisionOptimizer(dense_params, groups, inner=inner)
-        experts = MixedPrecisionOptimizer(expert_params, groups, inner=inner, expert=True)
-        optimizer = ChainedOptimizer([dense, experts])
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.optim import MixedPrecisionOptimizer, inner_factory
+        >>> from pgregistry.optim import setup_process_groups_for_optimizer
+        >>> from pgregistry.params import mark_expert
+        >>> dense_params = [torch.nn.Parameter(torch.zeros(2))]
+        >>> expert_params = [mark_expert(torch.nn.Parameter(torch.zeros(2)))]
+        >>> groups = setup_process_groups_for_optimizer(build(ParallelLayout(num_ranks=2)))
+        >>> inner = inner_factory("sgd", lr=0.5)
+        >>> dense = MixedPrecisionOptimizer(dense_params, groups, inner=inner)
+        >>> experts = MixedPrecisionOptimizer(expert_params, groups, inner=inner, expert=True)
+        >>> optimizer = ChainedOptimizer([dense, experts])
+        >>> (dense_params[0].sum() + expert_params[0].sum()).backward()  # grads of ones
+        >>> optimizer.step()  # both children step
+        >>> dense_params[0].detach(), expert_params[0].detach()
+        (tensor([-0.5000, -0.5000]), tensor([-0.5000, -0.5000]))
     """
 
     def __init__(self, children: Sequence[FlatOptimizer]) -> None:

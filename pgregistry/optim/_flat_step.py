@@ -77,11 +77,16 @@ class ElementwiseRule:
             ``torch.optim.SGD``, ...).
         hyperparameters: Its keywords besides the parameters (copied into a ``dict``).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        rule = ElementwiseRule(torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.1})
-        optimizer = build_optimizer(model, pg_collection, optimizer=rule)  # steps flat
-        rule([torch.zeros(2, requires_grad=True)])  # an AdamW over that tensor
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build, build_optimizer
+        >>> rule = ElementwiseRule(torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.1})
+        >>> model, pg_collection = torch.nn.Linear(2, 1), build(ParallelLayout(num_ranks=2))
+        >>> optimizer = build_optimizer(model, pg_collection, optimizer=rule)  # steps flat
+        >>> type(rule([torch.zeros(2, requires_grad=True)]))  # an AdamW over that tensor
+        <class 'torch.optim.adamw.AdamW'>
     """
 
     optimizer_class: type[torch.optim.Optimizer]
@@ -137,13 +142,15 @@ class FlatStep:
             not the view of ``flat`` at its start, or a copy's target not a contiguous 1-d tensor.
         TypeError: ``rule`` no :class:`ElementwiseRule`.
 
-    Example::
-
-        flat = torch.zeros(5)
-        flat.grad = torch.ones(5)
-        mains = [flat[0:2].view(2), flat[2:5].view(3)]
-        FlatStep(ElementwiseRule(torch.optim.SGD, {"lr": 0.5}), flat, mains, starts=[0, 2]).step()
-        mains[1]  # tensor([-0.5000, -0.5000, -0.5000])
+    Example:
+        >>> import torch
+        >>> flat = torch.zeros(5)
+        >>> flat.grad = torch.ones(5)
+        >>> mains = [flat[0:2].view(2), flat[2:5].view(3)]
+        >>> rule = ElementwiseRule(torch.optim.SGD, {"lr": 0.5})
+        >>> FlatStep(rule, flat, mains, starts=[0, 2]).step()
+        >>> mains[1]
+        tensor([-0.5000, -0.5000, -0.5000])
     """
 
     def __init__(

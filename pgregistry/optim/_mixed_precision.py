@@ -74,12 +74,22 @@ class MixedPrecisionOptimizer(FlatOptimizer):
         TypeError: what :class:`~pgregistry.optim.FlatOptimizer` refuses; a ``main_dtype`` that is
             no floating dtype; a ``bucket_numel`` that is no whole number.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        groups = setup_process_groups_for_optimizer(collection)
-        optimizer = MixedPrecisionOptimizer(
-            model.parameters(), groups, inner=inner_factory("adamw", lr=1e-4)
-        )
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> from pgregistry.optim import inner_factory, setup_process_groups_for_optimizer
+        >>> groups = setup_process_groups_for_optimizer(build(ParallelLayout(num_ranks=2)))
+        >>> optimizer = MixedPrecisionOptimizer(
+        ...     model.parameters(), groups, inner=inner_factory("adamw", lr=1e-4)
+        ... )
+        >>> optimizer.step()
+        >>> model.weight.detach()
+        tensor([[-1.0000e-04, -1.0000e-04]])
     """
 
     def __init__(

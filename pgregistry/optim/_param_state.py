@@ -47,10 +47,19 @@ class ParamStateOptimizer(Protocol):
     optimizers implement it; :func:`as_param_state_optimizer` wraps a ``torch.optim.Optimizer``.
     A runtime-checkable protocol: ``isinstance`` tells whether an object has both methods.
 
-    Example::
-
-        state = as_param_state_optimizer(optimizer).param_state()  # {param: {"exp_avg": ...}}
-        other.load_param_state(state)  # after the model's parameters are loaded
+    Example:
+        >>> import torch
+        >>> param = torch.nn.Parameter(torch.zeros(2))
+        >>> param.grad = torch.tensor([3.0, 4.0])
+        >>> optimizer = torch.optim.Adam([param])
+        >>> optimizer.step()
+        >>> state = as_param_state_optimizer(optimizer).param_state()  # {param: {"exp_avg": ...}}
+        >>> state[param]["exp_avg"]  # (1 - 0.9) * grad
+        tensor([0.3000, 0.4000])
+        >>> other = as_param_state_optimizer(torch.optim.Adam([param]))
+        >>> other.load_param_state(state)  # after the model's parameters are loaded
+        >>> isinstance(other, ParamStateOptimizer), other.param_state()[param]["exp_avg"]
+        (True, tensor([0.3000, 0.4000]))
     """
 
     def param_state(self) -> dict[torch.Tensor, ParamState]:

@@ -73,10 +73,23 @@ class OptimizerProcessGroups:
         tp_ep_pp: The expert model-parallel group (the expert grad-norm group).
         stats: Which rank counts a grad and where the counted grads are summed.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        groups = setup_process_groups_for_optimizer(pg_collection, model)
-        optimizer = MixedPrecisionOptimizer(params, groups, inner=inner_factory("adamw"))
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> from pgregistry.optim import MixedPrecisionOptimizer, inner_factory
+        >>> pg_collection = build(ParallelLayout(num_ranks=2))
+        >>> groups = setup_process_groups_for_optimizer(pg_collection, model)
+        >>> params = model.parameters()
+        >>> inner = inner_factory("adamw", lr=1e-3)
+        >>> optimizer = MixedPrecisionOptimizer(params, groups, inner=inner)
+        >>> optimizer.step()  # Adam's first step: lr against each grad's sign
+        >>> model.weight.detach()
+        tensor([[-0.0010, -0.0010]])
     """
 
     dp: Group
@@ -117,10 +130,21 @@ def setup_process_groups_for_optimizer(
         ValueError: a group the optimizer needs unset (named); a collection that disagrees with the
             model's attached one, that this rank is not a member of, or that was destroyed.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        groups = setup_process_groups_for_optimizer(pg, model, use_distributed_optimizer=True)
-        optimizer = ShardedOptimizer(params, groups, inner=inner_factory("adam", lr=1e-3))
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> from pgregistry.collection import group_size
+        >>> from pgregistry.optim import ShardedOptimizer, inner_factory
+        >>> pg, params = build(ParallelLayout(num_ranks=2)), model.parameters()
+        >>> groups = setup_process_groups_for_optimizer(pg, model, use_distributed_optimizer=True)
+        >>> group_size(groups.intra_dist_opt)  # the ranks the optimizer's state is sharded over
+        2
+        >>> optimizer = ShardedOptimizer(params, groups, inner=inner_factory("adam", lr=1e-3))
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     params = normalise_params(chunks) if chunks else None

@@ -88,10 +88,21 @@ class ShardedOptimizer(FlatOptimizer):
             own optimizer); a ``main_dtype`` that would round a parameter (float32 main copies of
             float64 parameters).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        groups = setup_process_groups_for_optimizer(pg, model, use_distributed_optimizer=True)
-        optimizer = ShardedOptimizer(params, groups, inner=inner_factory("adam", lr=1e-3))
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> from pgregistry.optim import inner_factory, setup_process_groups_for_optimizer
+        >>> pg, params = build(ParallelLayout(num_ranks=2)), model.parameters()
+        >>> groups = setup_process_groups_for_optimizer(pg, model, use_distributed_optimizer=True)
+        >>> optimizer = ShardedOptimizer(params, groups, inner=inner_factory("adam", lr=1e-3))
+        >>> optimizer.step()  # each rank steps its shard; the step is gathered back
+        >>> model.weight.detach()
+        tensor([[-0.0010, -0.0010]])
     """
 
     def __init__(

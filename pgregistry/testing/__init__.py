@@ -85,12 +85,13 @@ class RankFailure(RuntimeError):
         rank: the rank that failed.
         detail: the child's formatted traceback, or how it died.
 
-    Example::
-
-        try:
-            run_world(2, os._exit, 3)
-        except RankFailure as failure:
-            failure.rank, failure.detail  # 0, 'process exited without a result (exit code 3)'
+    Example:
+        >>> import os
+        >>> try:
+        ...     run_world(2, os._exit, 3)  # each rank's process exits at once
+        ... except RankFailure as failure:
+        ...     print(failure.detail)  # and failure.rank is the first rank found dead
+        process exited without a result (exit code 3)
     """
 
     def __init__(self, rank: int, detail: str) -> None:
@@ -112,13 +113,16 @@ class WorldTimeout(TimeoutError):
         stacks: each of them -> its Python stack at the deadline (``faulthandler`` format, every
             thread), or why none could be taken.
 
-    Example::
-
-        try:
-            run_world(2, time.sleep, 100, timeout=1)
-        except WorldTimeout as timeout:
-            timeout.stuck_ranks  # [0, 1]
-            print(timeout.stacks[0])  # rank 0's Python stack at the deadline, every thread
+    Example:
+        >>> import time
+        >>> try:
+        ...     run_world(2, time.sleep, 100, timeout=1)
+        ... except WorldTimeout as timeout:
+        ...     print(timeout.stuck_ranks)
+        ...     print(timeout.stacks[0])  # rank 0's Python stack at the deadline, every thread
+        [0, 1]
+        ...in _child_main
+        ...
     """
 
     def __init__(self, message: str, stuck_ranks: list[int], stacks: dict[int, str]) -> None:
@@ -164,12 +168,13 @@ def run_world(
             without reporting.
         WorldTimeout: the world did not finish by the deadline; every rank was killed.
 
-    Example::
-
-        def rank_sizes() -> int:
-            return group_size(build(ParallelLayout(num_ranks=4, tp=2)).tp)
-
-        assert run_world(4, rank_sizes) == [2, 2, 2, 2]
+    Example:
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.collection import group_size
+        >>> def tp_size() -> int:
+        ...     return group_size(build(ParallelLayout(num_ranks=4, tp=2)).tp)
+        >>> run_world(4, tp_size)
+        [2, 2, 2, 2]
     """
     world_size = positive_int(world_size, "world_size")
     check_deadline(timeout)

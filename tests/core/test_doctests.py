@@ -5,13 +5,15 @@ set. Each module listed here must hold at least one example, so a module whose e
 dropped fails too. The examples of these modules are plain arithmetic (``pgregistry.rng`` imports
 torch, but its seed plans are arithmetic over a layout; ``pgregistry.audit``'s reports are plain
 records; ``pgregistry.params`` marks a tensor made in the example), checks of a caller's argument
-(``pgregistry.mesh``, ``pgregistry.testing``), names or lookups on small models and collections
+(``pgregistry.mesh``, ``pgregistry.testing``, whose examples also start worlds of their own
+through ``run_world`` from this process), names or lookups on small models and collections
 assembled by hand (``pgregistry.attachments``, the grad statistics' groups and filters, the
 collection ``pgregistry.doors`` is given), a warning caught (``pgregistry.fallback``) or this
 process's state (``pgregistry.recovery``'s generation), grads and shares of groups that are off
 (``None``: no collective), a torch optimizer's state. The doctests of ``EXAMPLES_IN_A_WORLD`` need
-the default process group: they run on the one rank of a gloo world instead (their docstrings say
-so); the other examples that need a world are code blocks (``Example::``), not doctests.
+the default process group: they run on every rank of a gloo world of the size their docstrings
+say (1, 2 or 4 ranks) instead. An example a doctest cannot hold (a rank that dies) stays a code
+block (``Example::``) that its test runs verbatim (``tests/fixtures/docstring_examples.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import io
+import warnings
 
 import pytest
 
@@ -38,6 +41,7 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.grad_stats._reductions",
     "pgregistry.layout",
     "pgregistry.mesh",
+    "pgregistry.optim._flat_step",
     "pgregistry.optim._param_state",
     "pgregistry.params",
     "pgregistry.placement",
@@ -46,12 +50,50 @@ MODULES_WITH_EXAMPLES = (
     "pgregistry.testing",
 )
 
-EXAMPLES_IN_A_WORLD = (
-    "pgregistry.grad_stats._devices.backend_device",
-    "pgregistry.optim._base.FlatOptimizer",
-    "pgregistry.rng.get_rng_tracker",
-)
-"""The objects whose doctests need the default process group, by dotted name."""
+EXAMPLES_IN_A_WORLD = {
+    "pgregistry.attachments.attach": 2,
+    "pgregistry.audit.audit_grad_replication": 2,
+    "pgregistry.doors.pg_group": 2,
+    "pgregistry.doors.pg_rank": 2,
+    "pgregistry.doors.pg_read": 2,
+    "pgregistry.doors.pg_size": 2,
+    "pgregistry.experts._ep.get_ep_rank_and_size": 4,
+    "pgregistry.fallback.ProcessGroupFallbackWarning": 2,
+    "pgregistry.global_grid.global_collection": 2,
+    "pgregistry.global_grid.initialize_global_grid": 2,
+    "pgregistry.grad_stats._devices.backend_device": 1,
+    "pgregistry.mesh.from_device_mesh": 4,
+    "pgregistry.mesh.to_device_mesh": 4,
+    "pgregistry.mesh.with_hsdp_groups": 4,
+    "pgregistry.modules._collection.MultiModuleCollection": 4,
+    "pgregistry.modules._collection.build_modules": 4,
+    "pgregistry.modules._optimizer.MultiModuleOptimizer": 4,
+    "pgregistry.modules._optimizer.build_optimizer": 4,
+    "pgregistry.modules._rng.seed_modules": 2,
+    "pgregistry.modules._stats.clip_grad_norm_": 4,
+    "pgregistry.modules._stats.count_zeros": 4,
+    "pgregistry.modules._stats.grad_norm": 4,
+    "pgregistry.optim._base.FlatOptimizer": 1,
+    "pgregistry.optim._builder.build_optimizer": 2,
+    "pgregistry.optim._builder.inner_factory": 2,
+    "pgregistry.optim._chained.ChainedOptimizer": 2,
+    "pgregistry.optim._flat_step.ElementwiseRule": 2,
+    "pgregistry.optim._mixed_precision.MixedPrecisionOptimizer": 2,
+    "pgregistry.optim._setup.OptimizerProcessGroups": 2,
+    "pgregistry.optim._setup.setup_process_groups_for_optimizer": 2,
+    "pgregistry.optim._sharded.ShardedOptimizer": 2,
+    "pgregistry.params.restore_param_roles": 2,
+    "pgregistry.recovery.commit": 2,
+    "pgregistry.registry.BuildOptions": 2,
+    "pgregistry.registry.build": 4,
+    "pgregistry.registry.communicators_created": 4,
+    "pgregistry.registry.destroy": 2,
+    "pgregistry.rng.get_rng_tracker": 1,
+    "pgregistry.rng.model_parallel_manual_seed": 2,
+}
+"""The objects whose doctests need the default process group, by dotted name -> the world's size.
+
+Their docstrings say the size; each runs on every rank of a world of it."""
 
 
 def _needs_a_world(test: doctest.DocTest) -> bool:
@@ -73,8 +115,14 @@ def test_the_docstring_examples_print_what_they_show(name: str) -> None:
     assert runner.failures == 0, report.getvalue()
 
 
-def _run_examples_of(names: tuple[str, ...]) -> tuple[dict[str, int], int, str]:
-    """Each name's count of examples, the failures and their report, run on this rank."""
+def _run_examples_of(names: list[str]) -> tuple[dict[str, int], int, str]:
+    """Each name's count of examples, the failures and their report, run on this rank.
+
+    Each name's examples start with no build (``destroy`` after the one before) and the warning
+    filters the rank started with: one docstring's builds and filters neither help nor hinder the
+    next."""
+    from pgregistry.registry import destroy
+
     report = io.StringIO()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     counts = {}
@@ -83,13 +131,17 @@ def _run_examples_of(names: tuple[str, ...]) -> tuple[dict[str, int], int, str]:
         module = importlib.import_module(module_name)
         found = doctest.DocTestFinder().find(getattr(module, attribute), name, module=module)
         counts[name] = sum(len(test.examples) for test in found)
-        for test in found:
-            runner.run(test, out=report.write)
+        with warnings.catch_warnings():  # an example's warning filters end with it
+            for test in found:
+                runner.run(test, out=report.write)
+        destroy()
     return counts, runner.failures, report.getvalue()
 
 
-def test_the_examples_that_need_a_world_print_what_they_show_on_a_rank_of_one() -> None:
-    (outcome,) = run_world(1, _run_examples_of, EXAMPLES_IN_A_WORLD, timeout=60)
-    counts, failures, report = outcome
-    assert all(counts.values()), f"no docstring example: {counts}"
-    assert failures == 0, report
+@pytest.mark.parametrize("size", sorted(set(EXAMPLES_IN_A_WORLD.values())))
+def test_the_examples_that_need_a_world_print_what_they_show_on_every_rank(size: int) -> None:
+    names = [name for name, wanted in EXAMPLES_IN_A_WORLD.items() if wanted == size]
+    outcomes = run_world(size, _run_examples_of, names, timeout=60)
+    for rank, (counts, failures, report) in enumerate(outcomes):
+        assert all(counts.values()), f"rank {rank}: no docstring example: {counts}"
+        assert failures == 0, f"rank {rank}:\n{report}"
