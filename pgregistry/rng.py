@@ -570,7 +570,10 @@ def model_parallel_manual_seed(
     (and ``dp``) groups, where ``None`` is an axis that is off (rank 0 of 1).
 
     Args:
-        seed: the job's seed.
+        seed: the job's seed, the same on every rank. Not checked: seeding is local (no
+            collective), so a seed that differs across ranks (``1234 + rank``) seeds each rank as
+            given, and weights meant to be replicated then start apart; the rank offsets are added
+            here.
         pg_collection: the collection (default: the global grid, with a
             :class:`~pgregistry.fallback.ProcessGroupFallbackWarning`, as for an UNSET field).
         data_parallel_random_init: add the data-parallel offset, so data-parallel ranks draw
