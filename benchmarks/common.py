@@ -27,6 +27,7 @@ __all__ = [
     "host_floor",
     "host_floor_runs",
     "host_median",
+    "lesser_median",
     "measure",
     "measure_runs",
     "norm64",
@@ -130,12 +131,17 @@ def host_floor(params: Sequence[torch.Tensor], warmup: int, repeat: int) -> floa
     check, no read of anything else). Both ways of reading them (:func:`grad_reads`, :func:`grad_reads_unchecked`)
     are timed, interleaved run by run so that both see the same load, and the lesser median is the floor: it
     depends on no implementation's choice."""
-    return min(statistics.median(runs) for runs in host_floor_runs(params, warmup, repeat))
+    return lesser_median(host_floor_runs(params, warmup, repeat))
+
+
+def lesser_median(runs_by_way: Sequence[Sequence[float]]) -> float:
+    """The host floor from :func:`host_floor_runs`' runs (one list a way): the lesser of the ways' medians."""
+    return min(statistics.median(runs) for runs in runs_by_way)
 
 
 def host_floor_runs(params: Sequence[torch.Tensor], warmup: int, repeat: int) -> tuple[list[float], list[float]]:
     """The runs :func:`host_floor` takes its medians of, one list a way, in milliseconds: for a caller that
-    interleaves them with other timings and takes the lesser median of each way's runs over all."""
+    interleaves them with other timings and takes :func:`lesser_median` of each way's runs over all."""
     ways = (grad_reads, grad_reads_unchecked)
     for _ in range(warmup):
         for way in ways:

@@ -106,6 +106,7 @@ from benchmarks.common import (  # noqa: E402
     finish,
     host_floor,
     host_floor_runs,
+    lesser_median,
     measure_runs,
     norm64,
     selected_device,
@@ -361,7 +362,7 @@ def run(count: int, args: argparse.Namespace, device: torch.device) -> dict[str,
             for param, grad in zip(params, grads, strict=True):  # the benchmark's own grads back, for the next rows
                 param.grad = grad
             problems += found[:1]  # the first problem found: every later call would repeat it
-        one_call = min(statistics.median(runs) for runs in floors)
+        one_call = lesser_median(floors)
         results[row.label] = {
             **times,
             "bytes": row.calls * row.moves * nbytes / bandwidth * 1e3,

@@ -343,8 +343,6 @@ class Agreement:
         if not given.clip and spreads["max_norm"] is not None:
             spreads["max_norm"] += " (this rank does not clip; another does)"
         differ = [f"{name}{spread}" for name, spread in spreads.items() if spread is not None]
-        if not differ:
-            return None
         if not given.clip:
             why = "their shares are not of one norm"
         elif spreads["max_norm"] is None and spreads["norm_type"] is None:
