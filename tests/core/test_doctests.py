@@ -21,9 +21,9 @@ from __future__ import annotations
 import doctest
 import importlib
 import io
-import warnings
 
 import pytest
+from fixtures.docstring_examples import run_examples_of
 
 from pgregistry.testing import run_world
 
@@ -62,6 +62,14 @@ EXAMPLES_IN_A_WORLD = {
     "pgregistry.global_grid.global_collection": 2,
     "pgregistry.global_grid.initialize_global_grid": 2,
     "pgregistry.grad_stats._devices.backend_device": 1,
+    "pgregistry.grad_stats._functional.check_expert_classification": 2,
+    "pgregistry.grad_stats._functional.classify_grads": 2,
+    "pgregistry.grad_stats._functional.clip_grad_norm_": 2,
+    "pgregistry.grad_stats._functional.count_zeros": 2,
+    "pgregistry.grad_stats._functional.grad_norm": 2,
+    "pgregistry.grad_stats._functional.grad_norm_and_zeros": 2,
+    "pgregistry.grad_stats._lists.clip_grads_": 2,
+    "pgregistry.grad_stats._lists.norm_of_grads": 2,
     "pgregistry.mesh.from_device_mesh": 4,
     "pgregistry.mesh.to_device_mesh": 4,
     "pgregistry.mesh.with_hsdp_groups": 4,
@@ -115,33 +123,10 @@ def test_the_docstring_examples_print_what_they_show(name: str) -> None:
     assert runner.failures == 0, report.getvalue()
 
 
-def _run_examples_of(names: list[str]) -> tuple[dict[str, int], int, str]:
-    """Each name's count of examples, the failures and their report, run on this rank.
-
-    Each name's examples start with no build (``destroy`` after the one before) and the warning
-    filters the rank started with: one docstring's builds and filters neither help nor hinder the
-    next."""
-    from pgregistry.registry import destroy
-
-    report = io.StringIO()
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    counts = {}
-    for name in names:
-        module_name, attribute = name.rsplit(".", 1)
-        module = importlib.import_module(module_name)
-        found = doctest.DocTestFinder().find(getattr(module, attribute), name, module=module)
-        counts[name] = sum(len(test.examples) for test in found)
-        with warnings.catch_warnings():  # an example's warning filters end with it
-            for test in found:
-                runner.run(test, out=report.write)
-        destroy()
-    return counts, runner.failures, report.getvalue()
-
-
 @pytest.mark.parametrize("size", sorted(set(EXAMPLES_IN_A_WORLD.values())))
 def test_the_examples_that_need_a_world_print_what_they_show_on_every_rank(size: int) -> None:
     names = [name for name, wanted in EXAMPLES_IN_A_WORLD.items() if wanted == size]
-    outcomes = run_world(size, _run_examples_of, names, timeout=60)
+    outcomes = run_world(size, run_examples_of, names, timeout=60)
     for rank, (counts, failures, report) in enumerate(outcomes):
         assert all(counts.values()), f"rank {rank}: no docstring example: {counts}"
         assert failures == 0, f"rank {rank}:\n{report}"
