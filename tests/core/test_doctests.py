@@ -10,10 +10,13 @@ through ``run_world`` from this process), names or lookups on small models and c
 assembled by hand (``pgregistry.attachments``, the grad statistics' groups and filters, the
 collection ``pgregistry.doors`` is given), a warning caught (``pgregistry.fallback``) or this
 process's state (``pgregistry.recovery``'s generation), grads and shares of groups that are off
-(``None``: no collective), a torch optimizer's state. The doctests of ``EXAMPLES_IN_A_WORLD`` need
-the default process group: they run on every rank of a gloo world of the size their docstrings
-say (1, 2 or 4 ranks) instead. An example a doctest cannot hold (a rank that dies) stays a code
-block (``Example::``) that its test runs verbatim (``tests/fixtures/docstring_examples.py``).
+(``None``: no collective), a torch optimizer's state, a command's listing and exit codes
+(``pgregistry.cli``). The doctests of ``EXAMPLES_IN_A_WORLD`` need the default process group: they
+run on every rank of a gloo world of the size their docstrings say (1, 2 or 4 ranks) instead;
+those that need Megatron-Core or torchtitan run so in ``tests/megatron/test_megatron_doctests.py``
+and ``tests/torchtitan/test_torchtitan_doctests.py``. An example a doctest cannot hold (a rank that
+dies, files written) stays a code block (``Example::``) that its test runs verbatim
+(``tests/fixtures/docstring_examples.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pgregistry.testing import run_world
 MODULES_WITH_EXAMPLES = (
     "pgregistry.attachments",
     "pgregistry.audit",
+    "pgregistry.cli",
     "pgregistry.collection",
     "pgregistry.doors",
     "pgregistry.experts._keys",
