@@ -2802,12 +2802,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        name="stale-from-megatron-example",
-        bug="from_megatron's docstring example has Megatron-Core make no TP group, yet shows the "
-        "collection holding Megatron-Core's TP communicator",
-        file="pgregistry/interop/megatron.py",
-        find="initialize_model_parallel(tensor_model_parallel_size=2)\n",
-        replace="initialize_model_parallel(tensor_model_parallel_size=1)\n",
+        name="stale-adopt-example",
+        bug="registry.adopt's docstring example adopts nothing, yet shows the build reusing "
+        "Megatron-Core's TP communicator",
+        file="pgregistry/registry.py",
+        find="        >>> adopt([parallel_state.get_tensor_model_parallel_group()])\n",
+        replace="",
         tests=(
             "tests/megatron/test_megatron_doctests.py::"
             "test_the_megatron_examples_print_what_they_show_on_every_rank[2]",
