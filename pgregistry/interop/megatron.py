@@ -287,7 +287,7 @@ def from_megatron(mc_collection: Any) -> Any:
         >>> from megatron.core.process_groups_config import ProcessGroupCollection
         >>> parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
         >>> pg = from_megatron(ProcessGroupCollection.use_mpu_process_groups())
-        >>> pg.get("tp") is parallel_state.get_tensor_model_parallel_group()  # adopted, not copied
+        >>> pg.get("tp") is parallel_state.get_tensor_model_parallel_group()  # its own communicator
         True
     """
     from megatron.core import process_groups_config
