@@ -21,9 +21,11 @@ dies, files written) stays a code block (``Example::``) that its test runs verba
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import io
+from pathlib import Path
 
 import pytest
 from fixtures.docstring_examples import run_examples_of
@@ -138,3 +140,52 @@ def test_the_examples_that_need_a_world_print_what_they_show_on_every_rank(size:
     for rank, (counts, failures, report) in enumerate(outcomes):
         assert all(counts.values()), f"rank {rank}: no docstring example: {counts}"
         assert failures == 0, f"rank {rank}:\n{report}"
+
+
+CODE_BLOCK_EXAMPLES = {
+    "pgregistry.allowlist.main": "tests/allowlist/test_allowlist_main_example.py",
+    "pgregistry.checkpoint._distributed.load_distributed": "tests/core/test_checkpoint_docstring_examples.py",
+    "pgregistry.checkpoint._distributed.save_distributed": "tests/core/test_checkpoint_docstring_examples.py",
+    "pgregistry.checkpoint._optimizer_shards.load_optimizer_shards": "tests/core/test_checkpoint_docstring_examples.py",
+    "pgregistry.checkpoint._optimizer_shards.save_optimizer_shards": "tests/core/test_checkpoint_docstring_examples.py",
+    "pgregistry.checkpoint._rank_files.load_rank_files": "tests/core/test_checkpoint_docstring_examples.py",
+    "pgregistry.checkpoint._rank_files.save_rank_files": "tests/core/test_checkpoint_docstring_examples.py",
+    "pgregistry.modules._checkpoint.load_checkpoint": "tests/modules/test_modules_checkpoint_examples.py",
+    "pgregistry.modules._checkpoint.save_checkpoint": "tests/modules/test_modules_checkpoint_examples.py",
+    "pgregistry.recovery.LeftWithReplica": "tests/recovery/test_recovery_examples.py",
+    "pgregistry.recovery.Recovered": "tests/recovery/test_recovery_examples.py",
+    "pgregistry.recovery.StoreLost": "tests/recovery/test_recovery_examples.py",
+    "pgregistry.recovery.carry_optimizer_state": "tests/recovery/test_recovery_examples.py",
+    "pgregistry.recovery.recover": "tests/recovery/test_recovery_examples.py",
+}
+"""Each object whose example is an ``Example::`` block -> the test that runs it verbatim."""
+
+NOT_RUN = {"pgregistry.interop.megatron.seed_megatron_rng": "Megatron-Core seeds its RNG trackers on CUDA"}
+"""``Example::`` blocks no test runs, and why (``scripts/megatron_parity.py`` checks the seeds on a GPU)."""
+
+
+def _code_block_examples() -> set[str]:
+    """The dotted name of every function or class of the package whose docstring has an ``Example::`` block."""
+    root = Path(importlib.import_module("pgregistry").__file__).parent
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        pending = [(module, node) for node in ast.parse(path.read_text(encoding="utf-8")).body]
+        while pending:
+            prefix, node = pending.pop()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}.{node.name}"
+                docstring = ast.get_docstring(node) or ""
+                if any(line.strip() == "Example::" for line in docstring.splitlines()):
+                    found.add(name)
+                pending += [(name, child) for child in node.body]
+    return found
+
+
+def test_every_code_block_example_is_run_verbatim_by_a_test() -> None:
+    assert _code_block_examples() == set(CODE_BLOCK_EXAMPLES) | set(NOT_RUN)
+    root = Path(__file__).resolve().parents[2]
+    for name, test in CODE_BLOCK_EXAMPLES.items():
+        text = (root / test).read_text()
+        assert "example_code(" in text and name.rpartition(".")[2] in text, f"{test} does not run {name}'s example"
