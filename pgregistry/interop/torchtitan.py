@@ -712,7 +712,7 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
         ... )
         >>> _ = parallel_dims.build_mesh()
         >>> pg = from_parallel_dims(parallel_dims)
-        >>> pg.layout.tp, pg.get("tp") is parallel_dims.get_mesh("tp").get_group()  # torchtitan's own
+        >>> pg.layout.tp, pg.get("tp") is parallel_dims.get_mesh("tp").get_group()  # titan's own
         (2, True)
     """
     import torch.distributed as dist

@@ -80,4 +80,4 @@ def test_the_modules_checkpoint_examples_load_what_they_saved(tmp_path: Path) ->
         expected = {"weight": init - LR * grad / (grad.abs() + 1e-8), "exp_avg": 0.1 * grad}
         for key, value in expected.items():
             got = torch.tensor(outcome[name][key], dtype=torch.float64)
-            torch.testing.assert_close(got, value, msg=lambda m, k=key: f"rank {rank}, {name}, {k}: {m}")
+            torch.testing.assert_close(got, value, msg=lambda m, r=rank, n=name, k=key: f"rank {r}, {n}, {k}: {m}")
