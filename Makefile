@@ -87,7 +87,7 @@ demo: $(STAMP)
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check pgregistry
+	$(VENV)/bin/ruff format --check pgregistry examples tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pgregistry allowlist check --no-cache
 	PGREGISTRY_REQUIRE_MEGATRON=$(if $(MEGATRON_CORE),1,0) PGREGISTRY_OLDER_MEGATRON=$(abspath $(MEGATRON_OLDER_DIR)) \
@@ -96,7 +96,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check pgregistry
+	$(VENV)/bin/ruff format --check pgregistry examples tools
 
 allowlist-check: setup
 	$(VENV)/bin/pgregistry allowlist check

@@ -1,8 +1,9 @@
 """FSDP2 with EP experts on the collection's own communicators, with exact grad statistics.
 
-Runnable on CPU: ``torchrun --nproc-per-node 4 examples/fsdp2_experts.py`` (gloo). Four ranks, EP 2: each EP rank
-holds half the experts and FSDP2 shards them over expert data parallelism (2 ranks); the dense layer is sharded
-over the dense data-parallel group (4 ranks). The roles are marked before ``fully_shard`` and survive it.
+Runnable on CPU: ``torchrun --nproc-per-node 4 examples/fsdp2_experts.py`` (gloo). Four ranks, EP 2:
+each EP rank holds half the experts and FSDP2 shards them over expert data parallelism (2 ranks);
+the dense layer is sharded over the dense data-parallel group (4 ranks). The roles are marked before
+``fully_shard`` and survive it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class Experts(nn.Module):
         self.lora_b = mark_expert(nn.Parameter(torch.randn(local_experts, HIDDEN, RANK)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("eor,eri,bi->ebo", self.lora_b, self.lora_a, x).sum(dim=0)  # summed over the experts
+        # summed over the experts
+        return torch.einsum("eor,eri,bi->ebo", self.lora_b, self.lora_a, x).sum(dim=0)
 
 
 class Model(nn.Module):
@@ -39,8 +41,9 @@ class Model(nn.Module):
         super().__init__()
         self.dense = nn.Linear(HIDDEN, HIDDEN)
         self.experts = Experts(local_experts)
-        # Replicated across EP, so sharded with the dense parameters over the dense data-parallel group (all of
-        # whose ranks average its grad), not with the experts over expert data parallelism.
+        # Replicated across EP, so sharded with the dense parameters over the dense data-parallel
+        # group (all of whose ranks average its grad), not with the experts over expert data
+        # parallelism.
         self.scale = mark_expert_replicated(nn.Parameter(torch.ones(HIDDEN)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,10 +51,12 @@ class Model(nn.Module):
 
 
 def build() -> tuple[pgregistry.ParallelLayout, pgregistry.ProcessGroupCollection, Model]:
-    """The layout, its collection, and the model sharded with FSDP2 over meshes made of the collection's groups."""
+    """The layout, its collection, and the model sharded with FSDP2 over meshes made of the
+    collection's groups."""
     layout = pgregistry.ParallelLayout(num_ranks=dist.get_world_size(), ep=2)  # dp 4, expert dp 2
     pg = registry.build(layout)
-    torch.manual_seed(layout.coords(dist.get_rank())["ep"])  # each EP rank its own experts, the same dense layer
+    # each EP rank its own experts, the same dense layer
+    torch.manual_seed(layout.coords(dist.get_rank())["ep"])
     model = Model(EXPERTS // layout.ep)
     torch.manual_seed(0)
     model.dense.reset_parameters()
@@ -70,7 +75,8 @@ def train_step(max_norm: float = 1.0) -> tuple[float, int]:
     _, pg, model = build()
     backward(model)
     zeros = count_zeros(model, pg)
-    norm = clip_grad_norm_(model, max_norm, pg)  # every grad counted once: dense once, each expert once
+    # every grad counted once: dense once, each expert once
+    norm = clip_grad_norm_(model, max_norm, pg)
     return float(norm), zeros
 
 

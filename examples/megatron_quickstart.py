@@ -1,9 +1,11 @@
-"""The README's Megatron-Core example: ``torchrun --nproc-per-node 4 examples/megatron_quickstart.py`` (GPUs, NCCL).
+"""The README's Megatron-Core example: ``torchrun --nproc-per-node 4
+examples/megatron_quickstart.py`` (GPUs, NCCL).
 
-A Megatron-Core MoE GPTModel on pgregistry's groups, with no ``initialize_model_parallel`` and no hand-written
-mapping, then pgregistry's grad norm. Megatron-Core's local attention draws scratch memory from a CUDA buffer that
-only ``initialize_model_parallel`` (or its private ``_set_global_memory_buffer``) sets up, so the training step
-needs GPUs; :func:`build_model` alone also runs on CPU (the tests build it in a gloo world).
+A Megatron-Core MoE GPTModel on pgregistry's groups, with no ``initialize_model_parallel`` and no
+hand-written mapping, then pgregistry's grad norm. Megatron-Core's local attention draws scratch
+memory from a CUDA buffer that only ``initialize_model_parallel`` (or its private
+``_set_global_memory_buffer``) sets up, so the training step needs GPUs; :func:`build_model` alone
+also runs on CPU (the tests build it in a gloo world).
 """
 
 from __future__ import annotations
@@ -28,18 +30,32 @@ from pgregistry.interop.megatron import (
 
 
 def build_model(world_size: int) -> tuple[GPTModel, ProcessGroupCollection]:
-    layout = pgregistry.ParallelLayout(num_ranks=world_size, ep=world_size, expt_tp=1)  # one expert group per rank
+    # one expert group per rank
+    layout = pgregistry.ParallelLayout(num_ranks=world_size, ep=world_size, expt_tp=1)
     pg = registry.build(layout)
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_moe_experts=8,
-        moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=not torch.cuda.is_available(),
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
         **megatron_config_kwargs(layout),  # Megatron-Core's names for the layout's sizes
     )
-    check_config(config, pg)  # a size that disagrees with the groups is an error, not a silent reshard
+    # a size that disagrees with the groups is an error, not a silent reshard
+    check_config(config, pg)
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=32,
-                     pg_collection=to_megatron(pg))  # the same communicators, under Megatron-Core's type
+    # the same communicators, under Megatron-Core's type
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=256,
+        max_sequence_length=32,
+        pg_collection=to_megatron(pg),
+    )
     mark_megatron_experts(model)  # an expert parameter that loses allreduce=False is then an error
     return model, pg
 

@@ -1,4 +1,5 @@
-"""The README's example, runnable: ``torchrun --nproc-per-node 8 examples/quickstart.py`` (gloo, CPU)."""
+"""The README's example, runnable: ``torchrun --nproc-per-node 8 examples/quickstart.py`` (gloo,
+CPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def train_step() -> tuple[float, float]:
     model.experts.w = mark_expert(torch.nn.Parameter(torch.randn(16, 16)))  # one expert per EP rank
 
     pgregistry.model_parallel_manual_seed(1234, pg)  # per-axis RNG streams, Megatron-Core's seeds
-    optimizer = build_optimizer(model, pg, optimizer="adam", lr=1e-3)  # dense + expert children, all groups wired
+    # dense + expert children, all groups wired
+    optimizer = build_optimizer(model, pg, optimizer="adam", lr=1e-3)
     loss = (model.dense(torch.randn(4, 16)) @ model.experts.w).square().mean()
     loss.backward()
     optimizer.sync_grads()  # dense grads over dp_cp, expert grads over expt_dp

@@ -1,16 +1,19 @@
-"""torchtitan's Qwen3 MoE, parallelized by torchtitan, trained on pgregistry's communicators with an exact grad norm.
+"""torchtitan's Qwen3 MoE, parallelized by torchtitan, trained on pgregistry's communicators with an
+exact grad norm.
 
-Runnable on CPU: ``torchrun --nproc-per-node 4 examples/torchtitan_moe.py`` (gloo; needs torchtitan 0.3, which
-``make setup`` installs). Four ranks: FSDP2 over ``dp_shard`` 2, TP 2, EP 2 (torchtitan's EP borrows its ranks
-from ``dp_shard x tp``; expert TP 1). ``to_parallel_dims`` hands torchtitan a ``ParallelDims`` whose meshes are
-the collection's communicators, one per distinct rank set (plus a second one for expert FSDP, whose ranks are the
-dense FSDP ranks when EP = TP, as here: FSDP2 needs the two apart), where torchtitan's own ``build_mesh`` would
-create several per rank set; torchtitan's ``parallelize_qwen3`` then applies its TP, EP and FSDP2 on them. Each step
-prints pgregistry's grad norm (the norm of the whole model, each expert counted once) next to torchtitan's own.
+Runnable on CPU: ``torchrun --nproc-per-node 4 examples/torchtitan_moe.py`` (gloo; needs torchtitan
+0.3, which ``make setup`` installs). Four ranks: FSDP2 over ``dp_shard`` 2, TP 2, EP 2 (torchtitan's
+EP borrows its ranks from ``dp_shard x tp``; expert TP 1). ``to_parallel_dims`` hands torchtitan a
+``ParallelDims`` whose meshes are the collection's communicators, one per distinct rank set (plus a
+second one for expert FSDP, whose ranks are the dense FSDP ranks when EP = TP, as here: FSDP2 needs
+the two apart), where torchtitan's own ``build_mesh`` would create several per rank set;
+torchtitan's ``parallelize_qwen3`` then applies its TP, EP and FSDP2 on them. Each step prints
+pgregistry's grad norm (the norm of the whole model, each expert counted once) next to torchtitan's
+own.
 
-torchtitan 0.3's default ``spmd_backend`` ("spmd_types") needs an FSDP2 newer than torch 2.13's, so this runs
-torchtitan's "partial_dtensor" backend. FlexAttention, which torchtitan's language-model configs pick, needs
-``torch.compile``; SDPA stands in for it here.
+torchtitan 0.3's default ``spmd_backend`` ("spmd_types") needs an FSDP2 newer than torch 2.13's, so
+this runs torchtitan's "partial_dtensor" backend. FlexAttention, which torchtitan's language-model
+configs pick, needs ``torch.compile``; SDPA stands in for it here.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ SPMD_BACKEND = "partial_dtensor"
 
 
 def qwen3_moe_config(*, ep: int, experts: int = 8, layers: int = 2) -> Any:
-    """A Qwen3 MoE at CPU size, built by torchtitan's own builder for its Qwen3 MoE flavors, with its sharding
-    (sequence parallel on, as torchtitan's default) set as torchtitan's ``update_from_config`` sets it."""
+    """A Qwen3 MoE at CPU size, built by torchtitan's own builder for its Qwen3 MoE flavors, with
+    its sharding (sequence parallel on, as torchtitan's default) set as torchtitan's
+    ``update_from_config`` sets it."""
     from torchtitan.models import qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -44,12 +48,24 @@ def qwen3_moe_config(*, ep: int, experts: int = 8, layers: int = 2) -> Any:
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     config = Qwen3Model.Config(
-        vocab_size=VOCAB, dim=DIM, norm=qwen3._qwen3_norm(DIM),
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT),
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=qwen3._qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT
+        ),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
         layers=qwen3._build_qwen3_moe_layers(
-            n_layers=layers, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=HEAD_DIM, moe_hidden_dim=16,
-            num_experts=experts, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+            n_layers=layers,
+            dim=DIM,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=HEAD_DIM,
+            moe_hidden_dim=16,
+            num_experts=experts,
+            top_k=2,
+            attn_backend="flex",
+            moe_comm_backend="standard",
             rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=64, theta=10000.0),
         ),
     )
@@ -59,15 +75,18 @@ def qwen3_moe_config(*, ep: int, experts: int = 8, layers: int = 2) -> Any:
     return config
 
 
-def build() -> tuple[pgregistry.ParallelLayout, pgregistry.ProcessGroupCollection, Any, torch.nn.Module]:
-    """The layout, its collection, torchtitan's ParallelDims on the collection's communicators, and the model
-    parallelized by torchtitan on them."""
+def build() -> tuple[
+    pgregistry.ParallelLayout, pgregistry.ProcessGroupCollection, Any, torch.nn.Module
+]:
+    """The layout, its collection, torchtitan's ParallelDims on the collection's communicators, and
+    the model parallelized by torchtitan on them."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import utils as titan_utils
     from torchtitan.models.qwen3 import parallelize_qwen3
 
-    layout = pgregistry.ParallelLayout(num_ranks=dist.get_world_size(), tp=2, ep=2, expt_tp=1)  # dp_shard = world / 2
+    # dp_shard = world / 2
+    layout = pgregistry.ParallelLayout(num_ranks=dist.get_world_size(), tp=2, ep=2, expt_tp=1)
     pg = registry.build(layout)  # one communicator per distinct rank set
     parallel_dims = to_parallel_dims(pg, spmd_backend=SPMD_BACKEND, device_type="cpu")
     titan_utils.set_spmd_backend(SPMD_BACKEND)
@@ -76,22 +95,31 @@ def build() -> tuple[pgregistry.ParallelLayout, pgregistry.ProcessGroupCollectio
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     parallelism = ParallelismConfig(
-        data_parallel_shard_degree=parallel_dims.dp_shard, tensor_parallel_degree=layout.tp,
-        expert_parallel_degree=layout.ep, spmd_backend=SPMD_BACKEND,
+        data_parallel_shard_degree=parallel_dims.dp_shard,
+        tensor_parallel_degree=layout.tp,
+        expert_parallel_degree=layout.ep,
+        spmd_backend=SPMD_BACKEND,
     )
     model = parallelize_qwen3(
-        model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism, compile_config=CompileConfig(), ac_config=None, dump_folder="",
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
     )
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; the sum is the same
+            # gloo has no PREMUL_SUM; the sum is the same
+            module.set_force_sum_reduction_for_comms(True)
     mark_torchtitan_experts(model)  # each expert counted once, an unclassified one refused
     return layout, pg, parallel_dims, model
 
 
 def batch(step: int, parallel_dims: Any) -> torch.Tensor:
-    """This data-parallel rank's tokens for ``step`` (TP ranks share them, as torchtitan's dataloader does)."""
+    """This data-parallel rank's tokens for ``step`` (TP ranks share them, as torchtitan's
+    dataloader does)."""
     mesh = parallel_dims.get_optional_mesh("batch")
     dp_rank = 0 if mesh is None else mesh.get_local_rank()
     generator = torch.Generator().manual_seed(1000 * step + dp_rank)
@@ -99,7 +127,8 @@ def batch(step: int, parallel_dims: Any) -> torch.Tensor:
 
 
 def backward(model: torch.nn.Module, tokens: torch.Tensor, parallel_dims: Any) -> float:
-    """Forward and backward in torchtitan's SPMD context; a loss summed over tokens (the global grads add up)."""
+    """Forward and backward in torchtitan's SPMD context; a loss summed over tokens (the global
+    grads add up)."""
     from torchtitan.distributed import utils as titan_utils
 
     with titan_utils.get_spmd_context(parallel_dims=parallel_dims)():
@@ -111,7 +140,8 @@ def backward(model: torch.nn.Module, tokens: torch.Tensor, parallel_dims: Any) -
 
 
 def train(steps: int = 3, max_norm: float = 1.0) -> list[dict[str, float]]:
-    """``steps`` AdamW steps; per step the loss, pgregistry's norm and zero count, torchtitan's norm."""
+    """``steps`` AdamW steps; per step the loss, pgregistry's norm and zero count, torchtitan's
+    norm."""
     from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip_grad_norm_
 
     _, pg, parallel_dims, model = build()
@@ -120,7 +150,10 @@ def train(steps: int = 3, max_norm: float = 1.0) -> list[dict[str, float]]:
     for step in range(steps):
         optimizer.zero_grad()
         loss = backward(model, batch(step, parallel_dims), parallel_dims)
-        titan = float(titan_clip_grad_norm_(list(model.parameters()), float("inf"), ep_enabled=True))  # scales by 1
+        # scales by 1
+        titan = float(
+            titan_clip_grad_norm_(list(model.parameters()), float("inf"), ep_enabled=True)
+        )
         zeros = count_zeros(model, pg)
         norm = float(clip_grad_norm_(model, max_norm, pg))  # the global norm, before clipping
         optimizer.step()

@@ -292,11 +292,17 @@ def adopt(groups: Iterable[ProcessGroup]) -> None:
         ValueError: on every rank, before anything is adopted, a group some of its ranks passed and
             another of its ranks did not, naming that rank and the group's ranks.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), with
+        Megatron-Core's groups:
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-        adopt([parallel_state.get_tensor_model_parallel_group()])
-        pg = build(ParallelLayout(num_ranks=8, tp=2))  # reuses Megatron-Core's TP communicator
+        >>> from megatron.core import parallel_state
+        >>> from pgregistry import ParallelLayout
+        >>> parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        >>> adopt([parallel_state.get_tensor_model_parallel_group()])
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))  # reuses Megatron-Core's TP communicator
+        >>> pg.get("tp") is parallel_state.get_tensor_model_parallel_group()
+        True
     """
     require_distributed("pgregistry.registry.adopt")
     given, fault = _process_groups(groups)

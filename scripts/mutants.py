@@ -2789,6 +2789,41 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_checkpoint_examples_load_what_they_saved[save_rank_files-load_rank_files-False]",
         ),
     ),
+    Mutant(
+        name="stale-modules-checkpoint-example",
+        bug="pgregistry.modules.load_checkpoint's docstring example loads the models alone: the "
+        "optimizer's state is lost",
+        file="pgregistry/modules/_checkpoint.py",
+        find='        load_checkpoint("ckpt/step-100", models_here, modules, optimizer)\n',
+        replace='        load_checkpoint("ckpt/step-100", models_here, modules)\n',
+        tests=(
+            "tests/modules/test_modules_checkpoint_examples.py::"
+            "test_the_modules_checkpoint_examples_load_what_they_saved",
+        ),
+    ),
+    Mutant(
+        name="stale-adopt-example",
+        bug="registry.adopt's docstring example adopts nothing, yet shows the build reusing "
+        "Megatron-Core's TP communicator",
+        file="pgregistry/registry.py",
+        find="        >>> adopt([parallel_state.get_tensor_model_parallel_group()])\n",
+        replace="",
+        tests=(
+            "tests/megatron/test_megatron_doctests.py::"
+            "test_the_megatron_examples_print_what_they_show_on_every_rank[2]",
+        ),
+    ),
+    Mutant(
+        name="torchtitan-experts-left-unmarked",
+        bug="mark_torchtitan_experts marks the GroupedExperts module but not its parameters",
+        file="pgregistry/interop/torchtitan.py",
+        find="            for param in module.parameters(recurse=False):\n                mark_expert(param)\n",
+        replace="",
+        tests=(
+            "tests/torchtitan/test_torchtitan_doctests.py::"
+            "test_the_torchtitan_examples_print_what_they_show_on_every_rank",
+        ),
+    ),
 )
 
 

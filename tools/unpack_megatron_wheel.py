@@ -1,9 +1,11 @@
-"""Unpack a megatron-core wheel's ``megatron/`` package into this interpreter's site-packages (used by ``make setup``).
+"""Unpack a megatron-core wheel's ``megatron/`` package into this interpreter's site-packages (used
+by ``make setup``).
 
-Megatron-Core 0.17 and later declare Python >= 3.12 and publish cp312 wheels only, yet ``megatron/core`` is pure
-Python that imports and runs on 3.11 (its one compiled helper, for datasets, is not used here). Unpacking the package
-without installing it lets the 3.11 test environment run the real Megatron-Core. A ``megatron/`` already there is
-replaced whole, so switching versions leaves no stale module behind.
+Megatron-Core 0.17 and later declare Python >= 3.12 and publish cp312 wheels only, yet
+``megatron/core`` is pure Python that imports and runs on 3.11 (its one compiled helper, for
+datasets, is not used here). Unpacking the package without installing it lets the 3.11 test
+environment run the real Megatron-Core. A ``megatron/`` already there is replaced whole, so
+switching versions leaves no stale module behind.
 
 Usage: python tools/unpack_megatron_wheel.py WHEEL
 """

@@ -1,21 +1,22 @@
 """Autograd-aware collectives for the demo model's tensor- and expert-parallel regions.
 
-Each function is the identity when its group is ``None`` (the axis is off), so the same model code runs on any
-layout. The forward/backward pairs are the standard ones of Megatron-style model parallelism:
+Each function is the identity when its group is ``None`` (the axis is off), so the same model code
+runs on any layout. The forward/backward pairs are the standard ones of Megatron-style model
+parallelism:
 
-========================  =====================================  ==========================================
-function                  forward                                backward
-========================  =====================================  ==========================================
-``enter_sharded``         identity                               all-reduce (each rank holds a partial grad)
-``leave_sharded``         all-reduce (sum of partial outputs)    identity
-``split_replicated``      this rank's chunk of dim 0             all-gather over dim 0
-``gather_replicated``     all-gather over dim 0                  this rank's chunk (downstream is replicated)
-``gather_distinct``       all-gather over dim 0                  reduce-scatter (sum of every rank's grads)
-``scatter_distinct``      reduce-scatter (sum, own chunk)        all-gather over dim 0
-========================  =====================================  ==========================================
+=====================  ===================================  ========================================
+function               forward                              backward
+=====================  ===================================  ========================================
+``enter_sharded``      identity                             all-reduce (each rank: a partial grad)
+``leave_sharded``      all-reduce (sum of partial outputs)  identity
+``split_replicated``   this rank's chunk of dim 0           all-gather over dim 0
+``gather_replicated``  all-gather over dim 0                own chunk (downstream is replicated)
+``gather_distinct``    all-gather over dim 0                reduce-scatter (all ranks' grads summed)
+``scatter_distinct``   reduce-scatter (sum, own chunk)      all-gather over dim 0
+=====================  ===================================  ========================================
 
-``*_replicated`` is for tensors whose downstream computation is repeated identically on every rank of the
-group (TP), ``*_distinct`` for tensors each rank uses differently (EP token exchange).
+``*_replicated`` is for tensors whose downstream computation is repeated identically on every rank
+of the group (TP), ``*_distinct`` for tensors each rank uses differently (EP token exchange).
 """
 
 from __future__ import annotations
@@ -67,10 +68,13 @@ Op = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]
 
 
 class _Paired(torch.autograd.Function):
-    """``forward_op`` forward, ``backward_op`` on the incoming grad: one class for every pair in the table."""
+    """``forward_op`` forward, ``backward_op`` on the incoming grad: one class for every pair in the
+    table."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, forward_op: Op, backward_op: Op) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup, forward_op: Op, backward_op: Op
+    ) -> torch.Tensor:
         ctx.group, ctx.backward_op = group, backward_op
         return forward_op(x, group)
 
@@ -79,7 +83,9 @@ class _Paired(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-def _apply(x: torch.Tensor, group: ProcessGroup | None, forward_op: Op, backward_op: Op) -> torch.Tensor:
+def _apply(
+    x: torch.Tensor, group: ProcessGroup | None, forward_op: Op, backward_op: Op
+) -> torch.Tensor:
     if group is None or group_size(group) == 1:
         return x
     out: torch.Tensor = _Paired.apply(x, group, forward_op, backward_op)

@@ -1,20 +1,24 @@
-"""``python -m examples.moe_demo``: a small MoE trained on its own grids in a local gloo world, checked against float64.
+"""``python -m examples.moe_demo``: a small MoE trained on its own grids in a local gloo world,
+checked against float64.
 
 Every rank of a forked gloo world (``pgregistry.testing.run_world``):
 
-1. builds two layouts in one job, TP 2 x EP 4 x ETP 1 for the model and TP 4 x EP 2 for a second model, and
-   counts the communicators each creates (rank sets the second layout shares with the first are reused);
+1. builds two layouts in one job, TP 2 x EP 4 x ETP 1 for the model and TP 4 x EP 2 for a second
+   model, and counts the communicators each creates (rank sets the second layout shares with the
+   first are reused);
 2. seeds the RNG trackers from the model's collection;
-3. trains the sharded bf16 model with the chained mixed-precision optimizer, clipping by the global grad norm, next
-   to the float64 unsharded model trained with the same rule; each step it records the loss, the grad norm against
-   the float64 oracle and against what a dense-TP-only filter reports (Megatron-LM PR 6470's bug), the zero count of
-   zeroed grads against the model's numel, and the largest parameter difference from the float64 run;
-4. saves the experts under global names at EP 4 and loads them at EP 2 (the second layout), checking that every
-   expert arrives exactly once, bit-identical;
-5. calls the legacy path (no collection) to show the fallback warning, then the same call under an ``error``
-   filter.
+3. trains the sharded bf16 model with the chained mixed-precision optimizer, clipping by the global
+   grad norm, next to the float64 unsharded model trained with the same rule; each step it records
+   the loss, the grad norm against the float64 oracle and against what a dense-TP-only filter
+   reports (Megatron-LM PR 6470's bug), the zero count of zeroed grads against the model's numel,
+   and the largest parameter difference from the float64 run;
+4. saves the experts under global names at EP 4 and loads them at EP 2 (the second layout), checking
+   that every expert arrives exactly once, bit-identical;
+5. calls the legacy path (no collection) to show the fallback warning, then the same call under an
+   ``error`` filter.
 
-Rank 0 prints progress to stderr; the parent prints the tables and returns exit code 1 if any check failed.
+Rank 0 prints progress to stderr; the parent prints the tables and returns exit code 1 if any check
+failed.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ __all__ = ["DemoConfig", "build_parser", "main", "run_demo"]
 _PARAM_TOLERANCE = 2e-2
 _NORM_TOLERANCE = 5e-2
 _EXACT_TOLERANCE = 1e-6  # the reductions accumulate in float32
-# The expert grads a dense-TP-only filter drops are a visible share of the norm, far above float32 rounding.
+# The expert grads a dense-TP-only filter drops are a visible share of the norm, far above float32
+# rounding.
 _DENSE_TP_FILTER_MIN_DROP = 1e-3
 
 
@@ -74,7 +79,9 @@ def _rank_main(config: DemoConfig) -> dict[str, Any]:
 
     say("building layouts")
     layout = ParallelLayout(num_ranks=config.world_size, tp=config.tp, ep=config.ep, expt_tp=1)
-    second = ParallelLayout(num_ranks=config.world_size, tp=config.second_tp, ep=config.second_ep, expt_tp=1)
+    second = ParallelLayout(
+        num_ranks=config.world_size, tp=config.second_tp, ep=config.second_ep, expt_tp=1
+    )
     created_before = registry.communicators_created()
     pg = registry.build(layout, name="demo-model")
     created_first = registry.communicators_created() - created_before
@@ -82,7 +89,9 @@ def _rank_main(config: DemoConfig) -> dict[str, Any]:
     created_second = registry.communicators_created() - created_before - created_first
     first_groups = {id(g) for _, g in pg.items() if g is not None and not isinstance(g, list)}
     shared = sorted(
-        k for k, g in pg_second.items() if g is not None and not isinstance(g, list) and id(g) in first_groups
+        k
+        for k, g in pg_second.items()
+        if g is not None and not isinstance(g, list) and id(g) in first_groups
     )
 
     say("seeding")
@@ -121,7 +130,9 @@ def _progress(enabled: bool) -> Any:
 
     def say(message: str) -> None:
         if enabled:
-            print(f"[demo {time.monotonic() - started:5.1f}s] {message}", file=sys.stderr, flush=True)
+            print(
+                f"[demo {time.monotonic() - started:5.1f}s] {message}", file=sys.stderr, flush=True
+            )
 
     return say
 
@@ -138,12 +149,14 @@ def _local_loss(model: Any, model_config: Any, layout: Any, batch: tuple[Any, An
 
 def _oracle_norm(reference: Any) -> float:
     """The float64 unsharded model's grad norm."""
-    return math.sqrt(sum(float((p.grad**2).sum()) for p in reference.parameters() if p.grad is not None))
+    return math.sqrt(
+        sum(float((p.grad**2).sum()) for p in reference.parameters() if p.grad is not None)
+    )
 
 
 def _exact_norm(model_config: Any, weights: Any, layout: Any, pg: Any) -> dict[str, float]:
-    """Step 0 in float64 on both sides: the sharded norm must equal the oracle's to round-off, which isolates
-    the grad-statistics rules from bf16 rounding."""
+    """Step 0 in float64 on both sides: the sharded norm must equal the oracle's to round-off, which
+    isolates the grad-statistics rules from bf16 rounding."""
     import torch
 
     from examples.moe_demo.model import ReferenceMoE, ShardedMoE, make_batch
@@ -159,7 +172,9 @@ def _exact_norm(model_config: Any, weights: Any, layout: Any, pg: Any) -> dict[s
     return {"grad_norm": float(optimizer.get_grad_norm()), "oracle_norm": _oracle_norm(reference)}
 
 
-def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg: Any, say: Any) -> dict[str, Any]:
+def _train(
+    config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg: Any, say: Any
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -173,7 +188,9 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
     optimizer = build_optimizer(model, pg, optimizer="sgd", lr=config.lr, mixed_precision=True)
     reference = ReferenceMoE(model_config, weights)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=config.lr)
-    global_names = globalize_expert_keys(model.checkpoint_names(), model_config.num_experts, *get_ep_rank_and_size(pg))
+    global_names = globalize_expert_keys(
+        model.checkpoint_names(), model_config.num_experts, *get_ep_rank_and_size(pg)
+    )
     rows = []
     for step in range(config.steps):
         batch = make_batch(model_config, step, layout.dp)
@@ -205,32 +222,43 @@ def _train(config: DemoConfig, model_config: Any, weights: Any, layout: Any, pg:
         mean_loss /= max(1, layout.dp * layout.cp)
         worst = 0.0
         for full_name, param in global_names.items():
-            expected = shard_of(full_name, reference.param(full_name).detach(), pg, model_config.num_experts)
+            expected = shard_of(
+                full_name, reference.param(full_name).detach(), pg, model_config.num_experts
+            )
             assert expected is not None
             scale = float(expected.abs().max()) or 1.0
             worst = max(worst, float((param.detach().double() - expected).abs().max()) / scale)
         worst_t = torch.tensor([worst], dtype=torch.float64)
         dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
-        rows.append({
-            "step": step,
-            "loss": float(mean_loss),
-            "oracle_loss": reference_loss.item(),
-            "grad_norm": norm,
-            "oracle_norm": oracle_norm,
-            "dense_tp_filter_norm": dense_tp_filter,
-            "max_param_rel_diff": float(worst_t),
-        })
-        say(f"step {step + 1}/{config.steps}: norm {norm:.6f} (oracle {oracle_norm:.6f}, "
-            f"dense-TP filter {dense_tp_filter:.6f})")
+        rows.append(
+            {
+                "step": step,
+                "loss": float(mean_loss),
+                "oracle_loss": reference_loss.item(),
+                "grad_norm": norm,
+                "oracle_norm": oracle_norm,
+                "dense_tp_filter_norm": dense_tp_filter,
+                "max_param_rel_diff": float(worst_t),
+            }
+        )
+        say(
+            f"step {step + 1}/{config.steps}: norm {norm:.6f} (oracle {oracle_norm:.6f}, "
+            f"dense-TP filter {dense_tp_filter:.6f})"
+        )
 
     optimizer.zero_grad()
     zero_count = int(optimizer.count_zeros())
     numel = sum(w.numel() for w in weights.values())
-    return {"rows": rows, "_model": model, "zero_count": {"pgregistry": zero_count, "oracle": numel}}
+    return {
+        "rows": rows,
+        "_model": model,
+        "zero_count": {"pgregistry": zero_count, "oracle": numel},
+    }
 
 
 def _dense_tp_filter_norm(model: Any, pg: Any) -> float:
-    """The norm Megatron-LM reported before PR 6470: expert grads deduplicated with the *dense* TP group."""
+    """The norm Megatron-LM reported before PR 6470: expert grads deduplicated with the *dense* TP
+    group."""
     from pgregistry import ProcessGroupCollection
     from pgregistry.grad_stats import (
         norm_of_grads,
@@ -255,7 +283,8 @@ def _dense_tp_filter_norm(model: Any, pg: Any) -> float:
 
 
 def _checkpoint_roundtrip(model: Any, model_config: Any, pg: Any, pg_second: Any) -> dict[str, Any]:
-    """Save experts under global names at the model's EP size, load them at the second layout's EP size."""
+    """Save experts under global names at the model's EP size, load them at the second layout's EP
+    size."""
     import torch
     import torch.distributed as dist
 
@@ -263,7 +292,9 @@ def _checkpoint_roundtrip(model: Any, model_config: Any, pg: Any, pg_second: Any
     from pgregistry.experts import get_ep_rank_and_size, globalize_expert_keys, localize_expert_keys
 
     ep_rank, ep_size = get_ep_rank_and_size(pg)
-    local = {k: v.detach().clone() for k, v in model.checkpoint_names().items() if ".local_experts." in k}
+    local = {
+        k: v.detach().clone() for k, v in model.checkpoint_names().items() if ".local_experts." in k
+    }
     saved = globalize_expert_keys(local, model_config.num_experts, ep_rank, ep_size)
     directory = _shared_tempdir()
     if group_rank(pg.get("expt_dp")) == 0:  # one writer per expert replica set
@@ -276,7 +307,9 @@ def _checkpoint_roundtrip(model: Any, model_config: Any, pg: Any, pg_second: Any
             duplicates += key in everything
             everything[key] = value
     new_rank, new_size = get_ep_rank_and_size(pg_second)
-    mine = localize_expert_keys(everything, model_config.num_experts, new_rank, new_size, foreign="skip")
+    mine = localize_expert_keys(
+        everything, model_config.num_experts, new_rank, new_size, foreign="skip"
+    )
     per_layer = 2 * model_config.num_experts // new_size
     loaded_ok = len(mine) == per_layer * model_config.num_layers
     # Every expert this rank saved must come back bit-identical under its global name.
@@ -295,7 +328,8 @@ def _checkpoint_roundtrip(model: Any, model_config: Any, pg: Any, pg_second: Any
 
 
 def _shared_tempdir() -> str:
-    """One temporary directory for every rank of the local world (rank 0 names it, the others receive it)."""
+    """One temporary directory for every rank of the local world (rank 0 names it, the others
+    receive it)."""
     import torch.distributed as dist
 
     name = [tempfile.mkdtemp(prefix="pgregistry-demo-") if dist.get_rank() == 0 else ""]
@@ -318,7 +352,9 @@ def _fallback_demo(layout: Any) -> dict[str, Any]:
         warnings.simplefilter("default")
         grad_norm([param], None)
         grad_norm([param], None)
-    messages = [str(w.message) for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)]
+    messages = [
+        str(w.message) for w in caught if issubclass(w.category, ProcessGroupFallbackWarning)
+    ]
     raised = ""
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProcessGroupFallbackWarning)
@@ -329,7 +365,7 @@ def _fallback_demo(layout: Any) -> dict[str, Any]:
     return {"warnings": messages, "error_filter_raised": raised}
 
 
-# ----------------------------------------------------------------------------------------------- reporting
+# ---------------------------------------------------------------------------------------- reporting
 
 
 def _checks(config: DemoConfig, results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
@@ -338,65 +374,129 @@ def _checks(config: DemoConfig, results: list[dict[str, Any]]) -> list[tuple[str
     exact = first["float64_step"]
     rel = abs(exact["grad_norm"] - exact["oracle_norm"]) / exact["oracle_norm"]
     checks.append(
-        ("float64 step: grad norm equals the oracle to float32 round-off", rel < _EXACT_TOLERANCE, f"{rel:.1e}")
+        (
+            "float64 step: grad norm equals the oracle to float32 round-off",
+            rel < _EXACT_TOLERANCE,
+            f"{rel:.1e}",
+        )
     )
     for row in first["steps"]:
         rel = abs(row["grad_norm"] - row["oracle_norm"]) / row["oracle_norm"]
-        label = f"step {row['step']}: bf16 grad norm within {_NORM_TOLERANCE:g} of the float64 oracle"
+        label = (
+            f"step {row['step']}: bf16 grad norm within {_NORM_TOLERANCE:g} of the float64 oracle"
+        )
         detail = f"relative error {rel:.2e}"
-        checks.append((f"{label} (the exact check is the float64 step)", rel < _NORM_TOLERANCE, detail))
-        checks.append((f"step {row['step']}: parameters match the float64 run", row["max_param_rel_diff"] <
-                       _PARAM_TOLERANCE, f"max relative difference {row['max_param_rel_diff']:.2e}"))
-    # Same grads, two filters: the dense-TP one drops the expert grads of dense-TP ranks other than 0.
+        checks.append(
+            (f"{label} (the exact check is the float64 step)", rel < _NORM_TOLERANCE, detail)
+        )
+        checks.append(
+            (
+                f"step {row['step']}: parameters match the float64 run",
+                row["max_param_rel_diff"] < _PARAM_TOLERANCE,
+                f"max relative difference {row['max_param_rel_diff']:.2e}",
+            )
+        )
+    # Same grads, two filters: the dense-TP one drops the expert grads of dense-TP ranks other
+    # than 0.
     drops = [1 - row["dense_tp_filter_norm"] / row["grad_norm"] for row in first["steps"]]
     if config.tp > 1:
-        checks.append(("a dense-TP-only filter (Megatron-LM PR 6470's bug) undercounts the same grads",
-                       min(drops) > _DENSE_TP_FILTER_MIN_DROP, f"by {min(drops):.2%} to {max(drops):.2%}"))
+        checks.append(
+            (
+                "a dense-TP-only filter (Megatron-LM PR 6470's bug) undercounts the same grads",
+                min(drops) > _DENSE_TP_FILTER_MIN_DROP,
+                f"by {min(drops):.2%} to {max(drops):.2%}",
+            )
+        )
     else:  # with dense TP 1 every rank is dense-TP rank 0: the dense-TP filter drops nothing
-        checks.append(("with dense TP 1 the dense-TP-only filter agrees (no undercount possible)",
-                       max(abs(d) for d in drops) < _DENSE_TP_FILTER_MIN_DROP, f"largest difference {max(drops):.2%}"))
+        checks.append(
+            (
+                "with dense TP 1 the dense-TP-only filter agrees (no undercount possible)",
+                max(abs(d) for d in drops) < _DENSE_TP_FILTER_MIN_DROP,
+                f"largest difference {max(drops):.2%}",
+            )
+        )
     zero = first["zero_count"]
-    checks.append(("zero count of zeroed grads equals the model's numel", zero["pgregistry"] == zero["oracle"],
-                   f"{zero['pgregistry']} vs {zero['oracle']}"))
+    checks.append(
+        (
+            "zero count of zeroed grads equals the model's numel",
+            zero["pgregistry"] == zero["oracle"],
+            f"{zero['pgregistry']} vs {zero['oracle']}",
+        )
+    )
     found = set()
     duplicates = 0
     for result in results:
         found.update(result["checkpoint"]["experts_found"])
         duplicates += result["checkpoint"]["duplicates"]
     expected = set(range(results[0]["num_experts"]))
-    checks.append(("checkpoint: every expert saved once and found at the new EP size",
-                   found == expected and duplicates == 0, f"experts {sorted(found)}, duplicates {duplicates}"))
-    checks.append(("checkpoint: each rank loaded its experts, bit-identical",
-                   all(r["checkpoint"]["loaded_ok"] and r["checkpoint"]["bit_identical"] for r in results), ""))
+    checks.append(
+        (
+            "checkpoint: every expert saved once and found at the new EP size",
+            found == expected and duplicates == 0,
+            f"experts {sorted(found)}, duplicates {duplicates}",
+        )
+    )
+    checks.append(
+        (
+            "checkpoint: each rank loaded its experts, bit-identical",
+            all(r["checkpoint"]["loaded_ok"] and r["checkpoint"]["bit_identical"] for r in results),
+            "",
+        )
+    )
     fallback = first["fallback"]
     warned = fallback["warnings"]
-    checks.append(("legacy call warns once per (owner, argument)", len(warned) >= 1 and
-                   len(warned) == len(set(warned)), f"{len(warned)} warnings"))
-    checks.append(("legacy call raises under -W error::pgregistry.ProcessGroupFallbackWarning",
-                   bool(fallback["error_filter_raised"]), ""))
+    checks.append(
+        (
+            "legacy call warns once per (owner, argument)",
+            len(warned) >= 1 and len(warned) == len(set(warned)),
+            f"{len(warned)} warnings",
+        )
+    )
+    checks.append(
+        (
+            "legacy call raises under -W error::pgregistry.ProcessGroupFallbackWarning",
+            bool(fallback["error_filter_raised"]),
+            "",
+        )
+    )
     return checks
 
 
-def _print_report(config: DemoConfig, results: list[dict[str, Any]], checks: list[tuple[str, bool, str]]) -> None:
+def _print_report(
+    config: DemoConfig, results: list[dict[str, Any]], checks: list[tuple[str, bool, str]]
+) -> None:
     first = results[0]
-    print(f"moe_demo: {config.world_size} ranks (gloo), model on TP {config.tp} x EP {config.ep} x ETP 1, "
-          f"second model on TP {config.second_tp} x EP {config.second_ep}")
+    print(
+        f"moe_demo: {config.world_size} ranks (gloo), model on TP {config.tp} x EP "
+        f"{config.ep} x ETP 1, second model on TP {config.second_tp} x EP {config.second_ep}"
+    )
     print(f"  rank 0 collection: {first['collection']}")
     created = [r["groups_created"] for r in results]
-    print(f"  communicators created per rank: model {max(c['model'] for c in created)}, second model "
-          f"{max(c['second_model'] for c in created)} more (shared with the first: "
-          f"{', '.join(first['shared_with_second']) or 'none'})")
+    print(
+        f"  communicators created per rank: model {max(c['model'] for c in created)}, "
+        f"second model {max(c['second_model'] for c in created)} more (shared with "
+        f"the first: {', '.join(first['shared_with_second']) or 'none'})"
+    )
     print(f"  rank 0 RNG seeds: {first['seeds']}")
     print()
     exact = first["float64_step"]
-    print(f"  float64 step 0: grad norm {exact['grad_norm']:.12f}, oracle {exact['oracle_norm']:.12f}")
-    print("  bf16 training (model in bf16, float32 main params) next to the float64 unsharded model:")
-    header = f"  {'step':>4}  {'loss':>10}  {'oracle loss':>11}  {'grad norm':>10}  {'oracle':>10}  {'dense-TP':>10}" \
-             f"  {'max |dp|/|p|':>12}"
+    print(
+        f"  float64 step 0: grad norm {exact['grad_norm']:.12f}, oracle {exact['oracle_norm']:.12f}"
+    )
+    print(
+        "  bf16 training (model in bf16, float32 main params) next to the float64 unsharded model:"
+    )
+    header = (
+        f"  {'step':>4}  {'loss':>10}  {'oracle loss':>11}  {'grad norm':>10} "
+        f" {'oracle':>10}  {'dense-TP':>10}  {'max |dp|/|p|':>12}"
+    )
     print(header)
     for row in first["steps"]:
-        print(f"  {row['step']:>4}  {row['loss']:>10.6f}  {row['oracle_loss']:>11.6f}  {row['grad_norm']:>10.6f}  "
-              f"{row['oracle_norm']:>10.6f}  {row['dense_tp_filter_norm']:>10.6f}  {row['max_param_rel_diff']:>12.2e}")
+        print(
+            f"  {row['step']:>4}  {row['loss']:>10.6f}  {row['oracle_loss']:>11.6f}  "
+            f"{row['grad_norm']:>10.6f}  {row['oracle_norm']:>10.6f}  "
+            f"{row['dense_tp_filter_norm']:>10.6f}  {row['max_param_rel_diff']:>12.2e}"
+        )
     print()
     for message in first["fallback"]["warnings"][:2]:
         print(f"  warning: {message}")
@@ -440,15 +540,21 @@ _SIZE_OPTIONS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The demo's command line: the sizes of its two grids, the number of steps, an optional JSON report."""
+    """The demo's command line: the sizes of its two grids, the number of steps, an optional JSON
+    report."""
     parser = argparse.ArgumentParser(
         prog="python -m examples.moe_demo",
-        description="Train a toy MoE on its own grids in a local gloo world and check it against float64.",
+        description=(
+            "Train a toy MoE on its own grids in a local gloo world and check it against float64."
+        ),
     )
     defaults = {field.name: field.default for field in attrs.fields(DemoConfig)}
     for name, text in _SIZE_OPTIONS.items():
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=defaults[name], dest=name,
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=defaults[name],
+            dest=name,
             help=f"{text} (default {defaults[name]})",
         )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
@@ -456,13 +562,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, run the demo; exit code 0 when every check passed, 1 when one failed, 2 for bad sizes."""
+    """Parse ``argv``, run the demo; exit code 0 when every check passed, 1 when one failed, 2 for
+    bad sizes."""
     from examples.moe_demo.model import ToyMoEConfig
     from pgregistry.layout import ParallelLayout
 
     args = build_parser().parse_args(argv)
     config = DemoConfig(
-        world_size=args.world_size, tp=args.tp, ep=args.ep, second_tp=args.second_tp, second_ep=args.second_ep,
+        world_size=args.world_size,
+        tp=args.tp,
+        ep=args.ep,
+        second_tp=args.second_tp,
+        second_ep=args.second_ep,
         steps=args.steps,
     )
     num_experts = ToyMoEConfig().num_experts
@@ -472,7 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for tp, ep in ((config.tp, config.ep), (config.second_tp, config.second_ep)):
             ParallelLayout(num_ranks=config.world_size, tp=tp, ep=ep, expt_tp=1)
             if num_experts % ep:
-                raise ValueError(f"the demo model's {num_experts} experts do not split over EP {ep}")
+                raise ValueError(
+                    f"the demo model's {num_experts} experts do not split over EP {ep}"
+                )
         if args.json is not None:
             check_output_file(args.json)
     except ValueError as exc:

@@ -2,20 +2,24 @@
 
 Each layer is ``x -> x + MLP(x * norm) -> + MoE(.)``:
 
-* the dense MLP is tensor-parallel: ``fc1`` column-parallel (rows sharded, ``partition_dim=0``), ``fc2``
-  row-parallel (columns sharded, ``partition_dim=1``); ``norm`` is replicated over TP (a TP duplicate);
-* the MoE block routes each token to expert ``token_id % num_experts`` (hash routing, so sharded and reference
-  runs route identically whatever the precision) and scales the expert's output by a learned gate
-  ``num_experts * softmax(x @ router)`` (about 1 on average, so experts weigh as much as the dense MLP); the router
-  is a replicated dense parameter. Experts are split over EP ranks, ETP 1.
+* the dense MLP is tensor-parallel: ``fc1`` column-parallel (rows sharded, ``partition_dim=0``),
+  ``fc2`` row-parallel (columns sharded, ``partition_dim=1``); ``norm`` is replicated over TP (a TP
+  duplicate);
+* the MoE block routes each token to expert ``token_id % num_experts`` (hash routing, so sharded and
+  reference runs route identically whatever the precision) and scales the expert's output by a
+  learned gate ``num_experts * softmax(x @ router)`` (about 1 on average, so experts weigh as much
+  as the dense MLP); the router is a replicated dense parameter. Experts are split over EP ranks,
+  ETP 1.
 
-Tokens reach experts the Megatron way: each TP rank takes its chunk of the (TP-replicated) tokens, the chunks are
-all-gathered over EP, every rank runs its local experts, the partial outputs are reduce-scattered back and the
-chunks gathered over TP again. Every token is then processed exactly once per EP group.
+Tokens reach experts the Megatron way: each TP rank takes its chunk of the (TP-replicated) tokens,
+the chunks are all-gathered over EP, every rank runs its local experts, the partial outputs are
+reduce-scattered back and the chunks gathered over TP again. Every token is then processed exactly
+once per EP group.
 
-The loss of a data-parallel rank is the mean squared error of its own tokens, and the global loss the mean over
-data-parallel ranks; as in Megatron-Core, dense grads are then averaged over ``dp_cp`` and expert grads summed over
-``expt_dp`` and divided by the ``dp_cp`` size (tokens reach experts across the whole EP group).
+The loss of a data-parallel rank is the mean squared error of its own tokens, and the global loss
+the mean over data-parallel ranks; as in Megatron-Core, dense grads are then averaged over ``dp_cp``
+and expert grads summed over ``expt_dp`` and divided by the ``dp_cp`` size (tokens reach experts
+across the whole EP group).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ class ToyMoEConfig:
 
 
 def full_weights(config: ToyMoEConfig) -> dict[str, torch.Tensor]:
-    """The unsharded float64 weights, deterministic in ``config.seed`` (global expert indices in names)."""
+    """The unsharded float64 weights, deterministic in ``config.seed`` (global expert indices in
+    names)."""
     gen = torch.Generator().manual_seed(config.seed)
 
     def normal(*shape: int, fan_in: int) -> torch.Tensor:
@@ -65,7 +70,9 @@ def full_weights(config: ToyMoEConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for layer in range(config.num_layers):
         p = f"layers.{layer}."
-        weights[p + "norm"] = 1.0 + 0.1 * torch.randn(config.hidden, generator=gen, dtype=torch.float64)
+        weights[p + "norm"] = 1.0 + 0.1 * torch.randn(
+            config.hidden, generator=gen, dtype=torch.float64
+        )
         weights[p + "mlp.fc1"] = normal(config.ffn, config.hidden, fan_in=config.hidden)
         weights[p + "mlp.fc2"] = normal(config.hidden, config.ffn, fan_in=config.ffn)
         weights[p + "moe.router"] = normal(config.num_experts, config.hidden, fan_in=config.hidden)
@@ -76,8 +83,11 @@ def full_weights(config: ToyMoEConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-def make_batch(config: ToyMoEConfig, step: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``: inputs, targets (float64) and token ids, ``dp_size`` ranks' worth."""
+def make_batch(
+    config: ToyMoEConfig, step: int, dp_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: inputs, targets (float64) and token ids, ``dp_size`` ranks'
+    worth."""
     gen = torch.Generator().manual_seed(config.seed * 1000 + step)
     n = config.tokens_per_dp_rank * dp_size
     x = torch.randn(n, config.hidden, generator=gen, dtype=torch.float64)
@@ -108,7 +118,9 @@ class ReferenceMoE(nn.Module):
     def __init__(self, config: ToyMoEConfig, weights: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
         self.config = config
-        self.weights = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(v.clone()) for k, v in weights.items()})
+        self.weights = nn.ParameterDict(
+            {k.replace(".", "__"): nn.Parameter(v.clone()) for k, v in weights.items()}
+        )
 
     def param(self, name: str) -> nn.Parameter:
         return self.weights[name.replace(".", "__")]
@@ -123,7 +135,10 @@ class ReferenceMoE(nn.Module):
             h = x * self.param(p + "norm")
             x = x + F.gelu(h @ self.param(p + "mlp.fc1").t()) @ self.param(p + "mlp.fc2").t()
             q = f"{p}moe.experts.local_experts."
-            experts = {e: (self.param(f"{q}{e}.fc1"), self.param(f"{q}{e}.fc2")) for e in range(c.num_experts)}
+            experts = {
+                e: (self.param(f"{q}{e}.fc1"), self.param(f"{q}{e}.fc2"))
+                for e in range(c.num_experts)
+            }
             x = x + _moe_reference(x, ids, self.param(p + "moe.router"), experts, c.num_experts)
         return ((x - target) ** 2).sum() / x.shape[0]
 
@@ -131,7 +146,8 @@ class ReferenceMoE(nn.Module):
 def shard_of(
     name: str, full: torch.Tensor, pg_collection: ProcessGroupCollection, num_experts: int
 ) -> torch.Tensor | None:
-    """This rank's shard of the unsharded weight ``name`` (``None`` when the expert lives on another EP rank)."""
+    """This rank's shard of the unsharded weight ``name`` (``None`` when the expert lives on another
+    EP rank)."""
     tp, ep = pg_collection.get("tp"), pg_collection.get("ep")
     if ".local_experts." in name:
         from pgregistry.experts import expert_owner
@@ -178,8 +194,8 @@ class _Block(nn.Module):
 class ShardedMoE(nn.Module):
     """The model as one rank holds it under ``pg_collection`` (TP x EP, ETP 1), in ``dtype``.
 
-    Parameter names use *local* expert indices (``local_experts.<i>``), as checkpoints of sharded MoE models do;
-    :func:`pgregistry.globalize_expert_keys` turns them into global ones.
+    Parameter names use *local* expert indices (``local_experts.<i>``), as checkpoints of sharded
+    MoE models do; :func:`pgregistry.globalize_expert_keys` turns them into global ones.
     """
 
     def __init__(
@@ -194,7 +210,10 @@ class ShardedMoE(nn.Module):
         self.tp: ProcessGroup | None = pg_collection.get("tp")
         self.ep: ProcessGroup | None = pg_collection.get("ep")
         if config.num_experts % group_size(self.ep):
-            raise ValueError(f"num_experts {config.num_experts} is not divisible by the EP size {group_size(self.ep)}")
+            raise ValueError(
+                f"num_experts {config.num_experts} is not "
+                f"divisible by the EP size {group_size(self.ep)}"
+            )
         self.experts_per_rank = config.num_experts // group_size(self.ep)
         self.first_expert = group_rank(self.ep) * self.experts_per_rank
         self.dtype = dtype
@@ -203,12 +222,17 @@ class ShardedMoE(nn.Module):
             p = f"layers.{layer}."
             shards = {}
             for local_name in ("norm", "mlp.fc1", "mlp.fc2", "moe.router"):
-                shard = shard_of(p + local_name, weights[p + local_name], pg_collection, config.num_experts)
+                shard = shard_of(
+                    p + local_name, weights[p + local_name], pg_collection, config.num_experts
+                )
                 assert shard is not None  # dense weights live on every rank
                 shards[local_name] = shard.to(dtype).clone()
             q = f"{p}moe.experts.local_experts."
             experts = [
-                _Expert(weights[f"{q}{e}.fc1"].to(dtype).clone(), weights[f"{q}{e}.fc2"].to(dtype).clone())
+                _Expert(
+                    weights[f"{q}{e}.fc1"].to(dtype).clone(),
+                    weights[f"{q}{e}.fc2"].to(dtype).clone(),
+                )
                 for e in range(self.first_expert, self.first_expert + self.experts_per_rank)
             ]
             blocks.append(_Block(shards, experts))
@@ -218,7 +242,8 @@ class ShardedMoE(nn.Module):
         return [block for block in self.layers if isinstance(block, _Block)]
 
     def checkpoint_names(self) -> dict[str, nn.Parameter]:
-        """Local checkpoint-style names (``layers.0.moe.experts.local_experts.<local>.fc1``) -> parameters."""
+        """Local checkpoint-style names (``layers.0.moe.experts.local_experts.<local>.fc1``) ->
+        parameters."""
         out: dict[str, nn.Parameter] = {}
         for layer, block in enumerate(self.blocks()):
             p = f"layers.{layer}."
@@ -231,7 +256,9 @@ class ShardedMoE(nn.Module):
                 out[f"{p}moe.experts.local_experts.{local}.fc2"] = expert.fc2
         return out
 
-    def loss(self, x: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, normalizer: int) -> torch.Tensor:
+    def loss(
+        self, x: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, normalizer: int
+    ) -> torch.Tensor:
         """Sum of squared errors of this data-parallel rank's tokens, divided by ``normalizer``."""
         x = x.to(self.dtype)
         for block in self.blocks():
@@ -241,14 +268,15 @@ class ShardedMoE(nn.Module):
         return ((x.double() - target) ** 2).sum() / normalizer
 
     def _moe(self, x: torch.Tensor, ids: torch.Tensor, block: _Block) -> torch.Tensor:
-        # The gate is computed on this rank's own (TP-replicated) tokens, before dispatch, so the router's grad
-        # is replicated over TP like any dense parameter's.
+        # The gate is computed on this rank's own (TP-replicated) tokens, before dispatch, so the
+        # router's grad is replicated over TP like any dense parameter's.
         gate = self.config.num_experts * torch.softmax(x @ block.moe_router.t(), dim=-1)
         gate = gate.gather(1, (ids % self.config.num_experts).unsqueeze(1))
         tokens = gather_distinct(split_replicated(x, self.tp), self.ep)
         choice = _gather_ids(_chunk_ids(ids, self.tp), self.ep) % self.config.num_experts
-        # ``tokens * 0`` rather than zeros_like: the output must depend on the dispatched tokens even when no
-        # token reaches this rank's experts, or this rank's backward would skip the EP collectives its peers run.
+        # ``tokens * 0`` rather than zeros_like: the output must depend on the dispatched tokens
+        # even when no token reaches this rank's experts, or this rank's backward would skip the EP
+        # collectives its peers run.
         out = tokens * 0
         for local, expert in enumerate(block.local_experts()):
             rows = (choice == self.first_expert + local).nonzero(as_tuple=True)[0]

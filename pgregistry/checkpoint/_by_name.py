@@ -440,10 +440,30 @@ def state_by_name(
         ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, or two
             parameters of one global name.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP
+        over both ranks, each holding two of a layer's four experts (named as Megatron-Core's
+        ``local_experts``):
 
-        state = state_by_name(model, optimizer, pg_collection=pg)
-        state["model"]["decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"]
+        >>> import torch
+        >>> from torch import nn
+        >>> from pgregistry import ParallelLayout, build, build_optimizer
+        >>> from pgregistry.params import mark_expert
+        >>> pg = build(ParallelLayout(num_ranks=2, ep=2))
+        >>> experts = nn.ModuleList([nn.Linear(2, 2, bias=False) for _ in range(2)])
+        >>> layers = nn.ModuleList([nn.ModuleDict({"local_experts": experts})])
+        >>> model = nn.ModuleDict({"layers": layers})
+        >>> model.num_experts = 4  # else Megatron-Core's config.num_moe_experts, or an option
+        >>> for param in model.parameters():
+        ...     _ = mark_expert(param)
+        >>> optimizer = build_optimizer(model, pg, optimizer="adam")
+        >>> state = state_by_name(model, optimizer, pg_collection=pg)
+        >>> every_rank = [None, None]
+        >>> torch.distributed.all_gather_object(every_rank, sorted(state["model"]))
+        >>> every_rank[1]  # EP rank 1's local experts 0 and 1 are the layer's experts 2 and 3
+        ['layers.0.local_experts.2.weight', 'layers.0.local_experts.3.weight']
+        >>> state["optimizer"].keys() == state["model"].keys()  # each entry empty before a step
+        True
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
     refuse_unequal_pieces(model, "state_by_name")  # before the gathers

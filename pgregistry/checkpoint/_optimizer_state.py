@@ -61,10 +61,25 @@ def load_optimizer_state_by_name(
             entries above; a rank's state that does not fit its optimizer (an ``exp_avg`` of another
             shape than its parameter, a main copy of another shape), naming that rank.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), Adam's
+        state after a step under one layout loaded into an optimizer under another:
 
-        saved = state_by_name(model, optimizer)["optimizer"]  # under the old layout
-        load_optimizer_state_by_name(new_optimizer, new_model, saved)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, attach, build, build_optimizer
+        >>> from pgregistry.checkpoint import state_by_name
+        >>> def model_and_optimizer(layout, name):
+        ...     model = torch.nn.Linear(2, 1, bias=False)
+        ...     attach(model, build(layout, name=name))  # the collection the names are read on
+        ...     return model, build_optimizer(model, optimizer="adam")
+        >>> model, optimizer = model_and_optimizer(ParallelLayout(num_ranks=2), "old")
+        >>> model(torch.tensor([[3.0, 4.0]])).sum().backward()  # the weight's grad is the input
+        >>> optimizer.step()
+        >>> saved = state_by_name(model, optimizer)["optimizer"]  # under the old layout
+        >>> new_model, new_optimizer = model_and_optimizer(ParallelLayout(num_ranks=2, tp=2), "new")
+        >>> load_optimizer_state_by_name(new_optimizer, new_model, saved)
+        >>> new_optimizer.param_state()[new_model.weight]["exp_avg"]  # (1 - 0.9) x the grad
+        tensor([[0.3000, 0.4000]])
     """
     owner = "load_optimizer_state_by_name"
     check_strict(strict, owner)

@@ -67,10 +67,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: With code 2 for a usage error argparse catches (an unknown command or option),
             and with 0 after ``--help``, as argparse does.
 
-    Example::
-
-        main(["layout", "--num-ranks", "4", "--tp", "2"])  # prints the table of groups; 0
-        main(["layout", "--num-ranks", "4", "--tp", "3"])  # "... not divisible ..."; 2
+    Example:
+        >>> main(["layout", "--num-ranks", "4", "--tp", "2"])  # the table of groups on stdout
+        layout: 4 ranks, order tp-cp-ep-dp-pp; tp 2, gtp_remat 1, cp 1, dp 2, pp 1, ...
+        <BLANKLINE>
+        kind                      spans                                groups  size  first groups
+        tp                        dense tp                                  2     2  [0, 1] [2, 3]
+        ...
+        0
+        >>> main(["layout", "--num-ranks", "4", "--tp", "3"])  # "... not divisible ..." on stderr
+        2
     """
     args = _build_parser().parse_args(argv)
     try:

@@ -263,10 +263,37 @@ def named_global_parameters(
             indices with gaps, or past ``num_experts``), naming both numbers; two parameters with
             one global name (chunks given the same layer offset), naming both.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP
+        over both ranks, each holding two of a layer's four experts (named as Megatron-Core's
+        ``local_experts``):
 
-        for name, param in named_global_parameters(chunks, layer_offsets=[0, 12]):
-            ...  # "decoder.layers.12.mlp.experts.local_experts.5.linear_fc1.weight"
+        >>> import torch
+        >>> from torch import nn
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=2, ep=2))
+        >>> def chunk():  # one layer of four experts, two of them here
+        ...     experts = nn.ModuleList([nn.Linear(2, 2, bias=False) for _ in range(2)])
+        ...     layers = nn.ModuleList([nn.ModuleDict({"local_experts": experts})])
+        ...     model = nn.ModuleDict({"layers": layers})
+        ...     model.num_experts = 4  # else Megatron-Core's config.num_moe_experts, or an option
+        ...     return model
+        >>> chunks = [chunk(), chunk()]  # two pipeline chunks, the second from layer 12
+        >>> named = named_global_parameters(chunks, pg_collection=pg, layer_offsets=[0, 12])
+        >>> every_rank = [None, None]
+        >>> torch.distributed.all_gather_object(every_rank, [name for name, _ in named])
+        >>> for name in every_rank[0]:
+        ...     print(name)
+        layers.0.local_experts.0.weight
+        layers.0.local_experts.1.weight
+        layers.12.local_experts.0.weight
+        layers.12.local_experts.1.weight
+        >>> for name in every_rank[1]:  # EP rank 1's local experts 0, 1: the layer's 2, 3
+        ...     print(name)
+        layers.0.local_experts.2.weight
+        layers.0.local_experts.3.weight
+        layers.12.local_experts.2.weight
+        layers.12.local_experts.3.weight
     """
     return global_names(GlobalNamer.at_the_door(model_chunks, "named_global_parameters", **options))
 
@@ -402,9 +429,33 @@ def global_param_name_fn(
     Raises:
         ValueError: as :func:`named_global_parameters`.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP
+        over both ranks, each holding two of a layer's four experts (named as Megatron-Core's
+        ``local_experts``):
 
-        optimizer = build_optimizer(model, pg, param_name_fn=global_param_name_fn(model))
+        >>> import torch
+        >>> from torch import nn
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=2, ep=2))
+        >>> def chunk():  # one layer of four experts, two of them here
+        ...     experts = nn.ModuleList([nn.Linear(2, 2, bias=False) for _ in range(2)])
+        ...     layers = nn.ModuleList([nn.ModuleDict({"local_experts": experts})])
+        ...     model = nn.ModuleDict({"layers": layers})
+        ...     model.num_experts = 4  # else Megatron-Core's config.num_moe_experts, or an option
+        ...     return model
+        >>> from pgregistry import attach, build_optimizer
+        >>> from pgregistry.params import mark_expert
+        >>> model = chunk()
+        >>> for param in model.parameters():
+        ...     _ = mark_expert(param)
+        >>> attach(model, pg)
+        >>> optimizer = build_optimizer(model, pg, param_name_fn=global_param_name_fn(model))
+        >>> every_rank = [None, None]
+        >>> name = global_param_name_fn(model)(model.layers[0].local_experts[1].weight)
+        >>> torch.distributed.all_gather_object(every_rank, name)
+        >>> every_rank
+        ['layers.0.local_experts.1.weight', 'layers.0.local_experts.3.weight']
     """
     namer = GlobalNamer.at_the_door(model_chunks, "global_param_name_fn", **options)
     # Holding the parameters keeps their ids from being reused by other tensors.

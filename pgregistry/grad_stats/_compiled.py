@@ -27,6 +27,7 @@ check that answers wrongly must not run.
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import functools
 import hashlib
@@ -43,19 +44,30 @@ from typing import Final
 __all__ = ["ENV", "builder_lock", "library_name", "steady_checks"]
 
 ENV: Final = "PGREGISTRY_COMPILED_CHECKS"
-_MODES: Final = ("auto", "off", "required")
+
+
+class _Mode(enum.Enum):
+    """What :data:`ENV` asks for: the compiled checks where they build, never, or without fail."""
+
+    AUTO = "auto"
+    OFF = "off"
+    REQUIRED = "required"
+
+
 _SOURCE: Final = Path(__file__).with_name("_steady_checks.cpp")
 _LOCKING: Final = b"builders hold an flock beside the build folder"
 """Part of the build's name: a build folder whose every builder takes :func:`_sole_builder`'s
 ``flock`` (a pgregistry that did not would share the folder and have its live lock removed)."""
 
 
-def _mode_from_environment() -> str:
+def _mode_from_environment() -> _Mode:
     """The mode :data:`ENV` asks for (``auto`` where unset), refused by name where unknown."""
-    mode = os.environ.get(ENV, "auto") or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(_MODES)}")
-    return mode
+    value = os.environ.get(ENV) or _Mode.AUTO.value
+    try:
+        return _Mode(value)
+    except ValueError:
+        known = ", ".join(mode.value for mode in _Mode)
+        raise ValueError(f"{ENV}={value!r} is not one of {known}") from None
 
 
 @functools.cache
@@ -66,12 +78,12 @@ def steady_checks() -> ModuleType | None:
     the error); the build's error where it is ``required``. ``RuntimeError`` where the built module
     answers the probe wrongly."""
     mode = _mode_from_environment()
-    if mode == "off":
+    if mode is _Mode.OFF:
         return None
     try:
         module = _build()
     except Exception as error:  # no compiler, no ninja, no headers: the Python checks, said so
-        if mode == "required":
+        if mode is _Mode.REQUIRED:
             raise RuntimeError(
                 f"{ENV}=required, but pgregistry's compiled checks could not be built: {error!r}; "
                 "install a C++ compiler and ninja (pip install pgregistry[compiled]), or unset it"

@@ -78,13 +78,27 @@ def classify_grads(
         groups: the statistics groups.
 
     Returns:
-        Reduction group -> the counted grads. Both reduction groups are always keys, empty or not,
-        so every rank issues the same collectives whatever parameters it holds (a pipeline stage
-        without experts still joins the expert reduction).
+        Reduction group -> the counted grads. Both reduction groups are always keys, empty or not
+        (one key where they are one group), so every rank issues the same collectives whatever
+        parameters it holds (a pipeline stage without experts still joins the expert reduction).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        layer whose weight is split over TP, half on each rank, and whose bias both ranks hold:
 
-        norm = norm_of_grads(classify_grads(model.parameters(), groups))
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.grad_stats import norm_of_grads
+        >>> from pgregistry.params import mark_tensor_parallel
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1)  # this rank's half of a 4 -> 1 layer's weight
+        >>> _ = mark_tensor_parallel(model.weight, partition_dim=1)
+        >>> rank = torch.distributed.get_rank()
+        >>> model.weight.grad = torch.tensor([[0.0, 3.0]] if rank == 0 else [[0.0, 4.0]])
+        >>> model.bias.grad = torch.tensor([12.0])  # a TP duplicate: counted on TP rank 0 only
+        >>> groups = StatsGroups.from_collection(pg)
+        >>> norm_of_grads(classify_grads(model.parameters(), groups))  # sqrt(3^2 + 4^2 + 12^2)
+        tensor(13.)
     """
     buckets: dict[ProcessGroup | None, list[torch.Tensor]] = {
         groups.dense_reduce: [],
@@ -115,9 +129,23 @@ def check_expert_classification(
             :func:`~pgregistry.params.mark_expert` or
             :func:`~pgregistry.params.mark_expert_replicated`.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP over
+        both ranks:
 
-        check_expert_classification(model, pg)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.params import mark_expert, mark_expert_module
+        >>> pg = build(ParallelLayout(num_ranks=2, ep=2))
+        >>> model = torch.nn.ModuleDict({"router": torch.nn.Linear(2, 2)})
+        >>> model["experts"] = mark_expert_module(torch.nn.Linear(2, 2))
+        >>> _ = mark_expert(model["experts"].weight)  # the bias forgotten
+        >>> check_expert_classification(model, pg)
+        Traceback (most recent call last):
+        ...
+        ValueError: 1 parameter(s) of a marked expert module carry no EP classification: ...
+        >>> _ = mark_expert(model["experts"].bias)
+        >>> check_expert_classification(model, pg)  # passes
     """
     params = normalise_params(model_or_params)
     collection = resolve_pg_collection(
@@ -335,9 +363,20 @@ def grad_norm(
             pass the parameters); a collection that disagrees with the model's attached one, that
             this rank is not a member of, or that was destroyed.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        layer whose weight is split over TP, half on each rank:
 
-        norm = grad_norm(model, pg)  # the same value on every rank, as on the unsharded model
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.params import mark_tensor_parallel
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)  # this rank's half of a 4 -> 1 weight
+        >>> _ = mark_tensor_parallel(model.weight, partition_dim=1)
+        >>> rank = torch.distributed.get_rank()
+        >>> model.weight.grad = torch.tensor([[0.0, 3.0]] if rank == 0 else [[0.0, 4.0]])
+        >>> grad_norm(model, pg)  # the whole grad's, [0, 3, 0, 4]: the same on every rank
+        tensor(5.)
     """
     given = arguments_of_call(norm_type, None, clip=False)
     return _read_reduce_and_clip(
@@ -366,9 +405,20 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
         ValueError: as :func:`grad_norm` (an unclassified expert parameter, a collection that
             disagrees, is not this rank's or was destroyed).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        layer whose weight is split over TP, half on each rank:
 
-        zeros = count_zeros(model, pg)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.params import mark_tensor_parallel
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)  # this rank's half of a 4 -> 1 weight
+        >>> _ = mark_tensor_parallel(model.weight, partition_dim=1)
+        >>> rank = torch.distributed.get_rank()
+        >>> model.weight.grad = torch.tensor([[0.0, 3.0]] if rank == 0 else [[0.0, 4.0]])
+        >>> count_zeros(model, pg)  # in the whole grad, [0, 3, 0, 4]
+        2
     """
     zeros = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.zeros_only()).zeros
     assert zeros is not None
@@ -412,9 +462,21 @@ def grad_norm_and_zeros(
         RuntimeError: with ``max_norm`` and ``error_if_nonfinite``, a non-finite norm, on every
             rank.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        layer whose weight is split over TP, half on each rank:
 
-        norm, zeros = grad_norm_and_zeros(model, pg, max_norm=1.0)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.params import mark_tensor_parallel
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)  # this rank's half of a 4 -> 1 weight
+        >>> _ = mark_tensor_parallel(model.weight, partition_dim=1)
+        >>> rank = torch.distributed.get_rank()
+        >>> model.weight.grad = torch.tensor([[0.0, 3.0]] if rank == 0 else [[0.0, 4.0]])
+        >>> norm, zeros = grad_norm_and_zeros(model, pg, max_norm=1.0)
+        >>> norm, zeros, grad_norm(model, pg)  # the grads are clipped to norm 1
+        (tensor(5.), tensor(2), tensor(1.0000))
     """
     given = arguments_of_call(
         norm_type, max_norm, clip=max_norm is not None, error_if_nonfinite=error_if_nonfinite
@@ -472,11 +534,24 @@ def clip_grad_norm_(
             do not wait.
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite norm, on every rank.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        layer whose weight is split over TP, half on each rank:
 
-        norm = clip_grad_norm_(model, 1.0, pg)
-        if norm.isfinite():
-            optimizer.step()
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.params import mark_tensor_parallel
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)  # this rank's half of a 4 -> 1 weight
+        >>> _ = mark_tensor_parallel(model.weight, partition_dim=1)
+        >>> rank = torch.distributed.get_rank()
+        >>> model.weight.grad = torch.tensor([[0.0, 3.0]] if rank == 0 else [[0.0, 4.0]])
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        >>> norm = clip_grad_norm_(model, 1.0, pg)
+        >>> if norm.isfinite():
+        ...     optimizer.step()
+        >>> norm, grad_norm(model, pg)  # the norm before clipping, and after
+        (tensor(5.), tensor(1.0000))
     """
     given = arguments_of_call(  # max_norm None too: no "do not clip" here
         norm_type, max_norm, clip=True, error_if_nonfinite=error_if_nonfinite

@@ -152,10 +152,23 @@ def norm_of_grads(grads_by_group: GradsByGroup, norm_type: float = 2.0) -> torch
             (every rank joins it), as :func:`~pgregistry.grad_stats.grad_norm`.
         TypeError: an entry that is no tensor; ``norm_type`` no real number (after the reduction).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        layer whose weight is split over TP, half on each rank:
 
-        grads = classify_grads(model.parameters(), groups)
-        norm = norm_of_grads(grads)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.params import mark_tensor_parallel
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)  # this rank's half of a 4 -> 1 weight
+        >>> _ = mark_tensor_parallel(model.weight, partition_dim=1)
+        >>> rank = torch.distributed.get_rank()
+        >>> model.weight.grad = torch.tensor([[0.0, 3.0]] if rank == 0 else [[0.0, 4.0]])
+        >>> from pgregistry.grad_stats import StatsGroups, classify_grads
+        >>> grads = classify_grads(model.parameters(), StatsGroups.from_collection(pg))
+        >>> norm = norm_of_grads(grads)
+        >>> norm  # the whole grad's, [0, 3, 0, 4]: the same on every rank
+        tensor(5.)
     """
     kinds_by_group = _kinds_by_group_checked(grads_by_group)
 
@@ -234,10 +247,25 @@ def clip_grads_(
             negative norm on a device leaves the grads unscaled, as NaN does).
         RuntimeError: with ``error_if_nonfinite``, a NaN or infinite ``total_norm``.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        layer whose weight is split over TP, half on each rank:
 
-        norm = norm_of_grads(grads_by_group)
-        clip_grads_([p.grad for p in model.parameters()], 1.0, norm)
+        >>> import torch
+        >>> from pgregistry import ParallelLayout, build
+        >>> from pgregistry.params import mark_tensor_parallel
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> model = torch.nn.Linear(2, 1, bias=False)  # this rank's half of a 4 -> 1 weight
+        >>> _ = mark_tensor_parallel(model.weight, partition_dim=1)
+        >>> rank = torch.distributed.get_rank()
+        >>> model.weight.grad = torch.tensor([[0.0, 3.0]] if rank == 0 else [[0.0, 4.0]])
+        >>> from pgregistry.grad_stats import StatsGroups, classify_grads
+        >>> grads_by_group = classify_grads(model.parameters(), StatsGroups.from_collection(pg))
+        >>> norm = norm_of_grads(grads_by_group)
+        >>> clip_grads_([p.grad for p in model.parameters()], 1.0, norm)  # the coefficient
+        tensor(0.2000)
+        >>> norm_of_grads(grads_by_group)  # each rank's grads scaled alike
+        tensor(1.0000)
     """
     check_max_norm(max_norm)
     named = ((f"grads[{i}]", grad) for i, grad in enumerate(grads))

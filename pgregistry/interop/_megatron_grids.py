@@ -138,12 +138,16 @@ def from_hyper_comm_grid(grid: Any, *, name: str | None = None) -> ProcessGroupC
         TypeError: ``grid`` is not a ``HyperCommGrid``.
         ValueError: a dim pgregistry has no axis for (named).
 
-    Example::
+    Example:
+        On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        grid = HyperCommGrid([2, 1, 2, 1], ["tp", "cp", "dp", "pp"], rank_offset=0)
-        for dims in (["tp"], ["dp"]):
-            grid.create_pg(dims)
-        pg = from_hyper_comm_grid(grid, name="encoder")
+        >>> from megatron.core.hyper_comm_grid import HyperCommGrid
+        >>> grid = HyperCommGrid([2, 1, 2, 1], ["tp", "cp", "dp", "pp"], rank_offset=0)
+        >>> for dims in (["tp"], ["dp"]):
+        ...     _ = grid.create_pg(dims)
+        >>> pg = from_hyper_comm_grid(grid, name="encoder")
+        >>> pg.layout.tp, pg.layout.dp, pg.layout.num_ranks
+        (2, 2, 4)
     """
     from megatron.core.hyper_comm_grid import HyperCommGrid
 

@@ -163,9 +163,16 @@ def to_megatron(pg_collection: ProcessGroupCollection | MultiModuleCollection) -
             cannot run the layout); a multi-module collection on a rank that runs no module
             (Megatron-Core's cannot be empty).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it); a
+        Megatron-Core model takes the result as its ``pg_collection`` (``GPTModel(config, spec, ...,
+        pg_collection=to_megatron(build(layout)))``, as :func:`mark_megatron_experts` shows):
 
-        model = GPTModel(config, spec, ..., pg_collection=to_megatron(build(layout)))
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> megatron_pg = to_megatron(pg)
+        >>> type(megatron_pg).__module__, megatron_pg.tp is pg.get("tp")  # the same communicator
+        ('megatron.core.process_groups_config', True)
     """
     from pgregistry.modules import MultiModuleCollection  # imports torch
 
@@ -272,9 +279,16 @@ def from_megatron(mc_collection: Any) -> Any:
             named); on every rank, naming the module, a module's groups no layout gives or ranks
             naming different language models.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), after
+        Megatron-Core made its groups:
 
-        pg = from_megatron(ProcessGroupCollection.use_mpu_process_groups())
+        >>> from megatron.core import parallel_state
+        >>> from megatron.core.process_groups_config import ProcessGroupCollection
+        >>> parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        >>> pg = from_megatron(ProcessGroupCollection.use_mpu_process_groups())
+        >>> pg.get("tp") is parallel_state.get_tensor_model_parallel_group()  # its own communicator
+        True
     """
     from megatron.core import process_groups_config
 
@@ -380,9 +394,15 @@ def megatron_config_kwargs(layout: ParallelLayout) -> dict[str, int]:
         TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
         ValueError: a GTP size above 1 the installed Megatron-Core cannot express.
 
-    Example::
-
-        config = TransformerConfig(num_layers=4, ..., **megatron_config_kwargs(layout))
+    Example:
+        >>> from megatron.core.transformer import TransformerConfig
+        >>> from pgregistry import ParallelLayout
+        >>> layout = ParallelLayout(num_ranks=8, tp=2, cp=2)
+        >>> config = TransformerConfig(
+        ...     num_layers=4, hidden_size=8, num_attention_heads=2, **megatron_config_kwargs(layout)
+        ... )
+        >>> config.tensor_model_parallel_size, config.context_parallel_size
+        (2, 2)
     """
     from megatron.core.model_parallel_config import ModelParallelConfig
 
@@ -408,9 +428,15 @@ def megatron_initialize_kwargs(layout: ParallelLayout) -> dict[str, Any]:
         TypeError: ``layout`` no :class:`~pgregistry.layout.ParallelLayout`.
         ValueError: a GTP size above 1 the installed Megatron-Core cannot express.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        parallel_state.initialize_model_parallel(**megatron_initialize_kwargs(layout))
+        >>> from megatron.core import parallel_state
+        >>> from pgregistry import ParallelLayout
+        >>> layout = ParallelLayout(num_ranks=2, tp=2)
+        >>> parallel_state.initialize_model_parallel(**megatron_initialize_kwargs(layout))
+        >>> parallel_state.get_tensor_model_parallel_world_size()
+        2
     """
     from megatron.core import parallel_state
 
@@ -457,9 +483,20 @@ def check_config(config: Any, pg_collection: Any) -> None:
         ValueError: every mismatch, listed in one message (a size that is no integer, such as
             ``'2'``, quoted as given).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it):
 
-        check_config(model.config, pg)
+        >>> from megatron.core.transformer import TransformerConfig
+        >>> from pgregistry import ParallelLayout, build
+        >>> layout = ParallelLayout(num_ranks=2, tp=2)
+        >>> config = TransformerConfig(
+        ...     num_layers=2, hidden_size=8, num_attention_heads=2, **megatron_config_kwargs(layout)
+        ... )
+        >>> check_config(config, build(layout))  # they agree: nothing raised
+        >>> check_config(config, build(ParallelLayout(num_ranks=2)))  # TP off
+        Traceback (most recent call last):
+        ...
+        ValueError: ...tensor_model_parallel_size = 2 but the collection's 'tp' group has 1 ranks...
     """
     if not isinstance(pg_collection, ProcessGroupCollection) and not isinstance(
         pg_collection, _megatron_collection_type()
@@ -601,9 +638,24 @@ def mark_megatron_experts(model: nn.Module) -> int:
         TypeError: ``model`` is not an ``nn.Module`` (mark one parameter with
             :func:`pgregistry.params.mark_expert`).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
+        small Megatron-Core MoE model on the CPU:
 
-        assert mark_megatron_experts(model) == config.num_layers  # one MoE layer per layer
+        >>> from megatron.core.models.gpt import GPTModel
+        >>> from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        >>> from megatron.core.transformer import TransformerConfig
+        >>> from pgregistry import ParallelLayout, build
+        >>> layout = ParallelLayout(num_ranks=2)
+        >>> config = TransformerConfig(
+        ...     num_layers=2, hidden_size=8, num_attention_heads=2, num_moe_experts=2,
+        ...     use_cpu_initialization=True, **megatron_config_kwargs(layout),
+        ... )
+        >>> spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False)
+        >>> pg = to_megatron(build(layout))
+        >>> model = GPTModel(config, spec, vocab_size=16, max_sequence_length=4, pg_collection=pg)
+        >>> mark_megatron_experts(model) == config.num_layers  # one MoE layer per layer
+        True
     """
     require_module(model, "mark_megatron_experts")
     from megatron.core.transformer.moe.moe_layer import MoELayer

@@ -287,10 +287,16 @@ def to_parallel_dims(
             field missing or holding other ranks than torchtitan's; a collection without a layout
             (assembled by hand); a ``device_type`` that is no torch device type (``"gpu"``).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), on the
+        CPU; torchtitan's parallelize functions take the result (``parallelize_qwen3(model,
+        parallel_dims, job_config)``):
 
-        parallel_dims = to_parallel_dims(build(ParallelLayout(num_ranks=8, tp=2, ep=4)))
-        model = parallelize_qwen3(model, parallel_dims, job_config)
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> parallel_dims = to_parallel_dims(pg, device_type="cpu")
+        >>> parallel_dims.tp, parallel_dims.get_mesh("tp").get_group() is pg.get("tp")
+        (2, True)
     """
     from torchtitan.distributed import parallel_dims as titan_parallel_dims
 
@@ -695,10 +701,19 @@ def from_parallel_dims(parallel_dims: Any) -> ProcessGroupCollection:
             which); a torchtitan mesh holding other ranks than the layout's group (naming the dim
             and both rank lists).
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), on the
+        CPU:
 
-        parallel_dims.build_mesh()
-        pg = from_parallel_dims(parallel_dims)
+        >>> import torchtitan.distributed.parallel_dims as titan
+        >>> titan.device_type = "cpu"  # torchtitan's choice on a machine without GPUs is "cuda"
+        >>> parallel_dims = titan.ParallelDims(
+        ...     dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2
+        ... )
+        >>> _ = parallel_dims.build_mesh()
+        >>> pg = from_parallel_dims(parallel_dims)
+        >>> pg.layout.tp, pg.get("tp") is parallel_dims.get_mesh("tp").get_group()  # titan's own
+        (2, True)
     """
     import torch.distributed as dist
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -846,9 +861,16 @@ def mark_torchtitan_experts(model: nn.Module) -> int:
         TypeError: ``model`` is not an ``nn.Module`` (mark one parameter with
             :func:`pgregistry.params.mark_expert`).
 
-    Example::
-
-        assert mark_torchtitan_experts(model) > 0
+    Example:
+        >>> import torch
+        >>> from torchtitan.models.common.moe import GroupedExperts
+        >>> from pgregistry.params import is_expert_param
+        >>> experts = GroupedExperts.Config(dim=4, hidden_dim=8, num_experts=2).build()
+        >>> model = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "experts": experts})
+        >>> mark_torchtitan_experts(model)  # one GroupedExperts module
+        1
+        >>> [name for name, param in model.named_parameters() if is_expert_param(param)]
+        ['experts.w1_EFD', 'experts.w2_EDF', 'experts.w3_EFD']
     """
     require_module(model, "mark_torchtitan_experts")
     from torchtitan.models.common.moe import GroupedExperts
@@ -878,10 +900,16 @@ def communicator_ranks() -> list[tuple[int, ...]]:
     Returns:
         One tuple of global ranks per communicator, sorted.
 
-    Example::
+    Example:
+        On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), on the
+        CPU:
 
-        ranks = communicator_ranks()
-        assert len(ranks) == len(set(ranks)), "two communicators over one rank set"
+        >>> from pgregistry import ParallelLayout, build
+        >>> pg = build(ParallelLayout(num_ranks=2, tp=2))
+        >>> _ = to_parallel_dims(pg, device_type="cpu")
+        >>> ranks = communicator_ranks()
+        >>> (0, 1) in ranks, len(ranks) == len(set(ranks))  # no two over one rank set
+        (True, True)
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world

@@ -20,6 +20,7 @@ reads stay, with the reason). Pure: no I/O.
 from __future__ import annotations
 
 import ast
+import enum
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -279,25 +280,32 @@ def _word_end(text: bytes, at: int) -> int:
     return at
 
 
-def _kind_of_use(data: bytes, start: int, end: int) -> str:
-    """How the mention at ``data[start:end]`` uses the name: ``call``, ``value``, or ``other``.
+class _Use(enum.Enum):
+    """How a mention of a function's name uses it."""
 
-    ``other``: its ``def``, an attribute of it, a word in prose, a keyword argument's name."""
+    CALL = "call"
+    VALUE = "value"
+    OTHER = "other"
+    """Its ``def``, an attribute of it, a word in prose, a keyword argument's name."""
+
+
+def _kind_of_use(data: bytes, start: int, end: int) -> _Use:
+    """How the mention at ``data[start:end]`` uses the name (:class:`_Use`)."""
     before = data[max(0, start - 120) : start]
     stripped = before.rstrip(b" \t")
     word = stripped[_word_end(stripped, len(stripped)) :]
     if word in (b"def", b"class") and len(stripped) < len(before):
-        return "other"
+        return _Use.OTHER
     if _CALL_AFTER.match(data, end):
-        return "call"
+        return _Use.CALL
     at = len(before)
     while (
         at > 0 and before[at - 1 : at] == b"."
     ):  # the chain the name ends: ``self.f``, ``module.f``
         at = _word_end(before, at - 1)
     if before[:at].rstrip(b" \t").endswith(_VALUE_BEFORE) and not _NOT_VALUE_AFTER.match(data, end):
-        return "value"
-    return "other"
+        return _Use.VALUE
+    return _Use.OTHER
 
 
 def _hook_argument_names(data: bytes, names: re.Pattern[bytes]) -> set[str]:
@@ -328,8 +336,8 @@ def classify_uses(
     for data in contents.values():
         for match in mention.finditer(data):
             use = _kind_of_use(data, match.start(), match.end())
-            if use != "other":
-                (called if use == "call" else values).add(match.group().decode())
+            if use is not _Use.OTHER:
+                (called if use is _Use.CALL else values).add(match.group().decode())
         if b"register_" in data:
             hooks |= _hook_argument_names(data, mention)
     return called, values - called, hooks

@@ -36,13 +36,13 @@ pytest.importorskip("libcst")
 pytest.importorskip("megatron.core.parallel_state")
 
 from fixtures.differential import (  # noqa: E402
-    _GRID_ARGUMENTS,
+    GRID_ARGUMENTS,
     Case,
     Loaded,
     Tree,
-    _outcome,
     differences,
     load_cases,
+    outcome_of_side,
     run_in_world,
     run_uninitialised,
     tells_the_grids_apart,
@@ -291,14 +291,14 @@ def _mixed_outcome(item: Loaded, reads: tuple[Read, ...], rank: int, states: Map
     """The original's outcome on mode d's global grid with every read the collection should answer run on the
     first grid's ``parallel_state``: what the migrated function must do in mode d. ``expected warnings``: the
     (function, field) of each fallback a read run should warn of."""
-    first = states[_grid_key({_GRID_ARGUMENTS[k]: v for k, v in item.case.grid.items()})]
-    second = states[_grid_key({_GRID_ARGUMENTS[k]: v for k, v in item.case.second_grid.items()})]
+    first = states[_grid_key({GRID_ARGUMENTS[k]: v for k, v in item.case.grid.items()})]
+    second = states[_grid_key({GRID_ARGUMENTS[k]: v for k, v in item.case.second_grid.items()})]
     executed: list[tuple[Read, str]] = []
     with _parallel_state_of(second):
         profile = _profile_answering_reads(reads, item.original.function.__code__.co_filename, first, executed)
         sys.setprofile(profile)
         try:
-            outcome = _outcome(item.case, item.original, rank, None)
+            outcome = outcome_of_side(item.case, item.original, rank, None)
         finally:
             sys.setprofile(None)
     outcome["expected warnings"] = sorted(
