@@ -2290,8 +2290,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="ranks given different max_norm values clip by different coefficients, their replicas drifting apart "
         "(docs/reliability.md, hostile inputs, fifth round): every rank carries the same arguments in the verdict",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        return agreement_columns(max_norm, self.p, self.error_if_nonfinite, summed, device)\n",
-        replace="        return agreement_columns(1.0, 2.0, self.error_if_nonfinite, summed, device)\n",
+        find="        return agreement_columns(max_norm, self.p, flag, self.statistic, summed, device)\n",
+        replace="        return agreement_columns(1.0, 2.0, flag, self.statistic, summed, device)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing",
                "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
@@ -2312,8 +2312,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the finishing kernel reads max_norm's bytes only: GPU ranks clipping with norm types 1 and 3 (rows of one "
         "width) scale by a norm that mixes both",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find="                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag\n",
-        replace="                inside = byte < 8  # max_norm's bytes only\n",
+        find="        inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, the flag, the statistic\n",
+        replace="        inside = byte < 8  # max_norm's bytes only\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[max_norm-1-norm-types-2-and-1]",),
     ),
@@ -2322,8 +2322,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the finishing kernel (CUDA, the 2-norm with the verdict in its row) leaves the norm finite where the "
         "ranks' max_norm values differ: each GPU rank scales by its own coefficient",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find='                norm = tl.where((refused > 0) | (differ > 0), float("nan"), norm)\n',
-        replace="",
+        find='            norm = tl.where(disagree, float("nan"), norm)\n',
+        replace="            pass\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits",),
     ),
@@ -2331,8 +2331,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="norm-type-left-out-of-the-clip-agreement",
         bug="replicas clipping with norm types 2 and inf each clip by their own norm, silently",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        values = [0.0, max_norm, norm_type, flag, -max_norm, -norm_type, -flag]\n",
-        replace="        values = [0.0, max_norm, 2.0, flag, -max_norm, -2.0, -flag]\n",
+        find="        values = [0.0, max_norm, norm_type, flag, kind, -max_norm, -norm_type, -flag, -kind]\n",
+        replace="        values = [0.0, max_norm, 2.0, flag, kind, -max_norm, -2.0, -flag, -kind]\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_norm_types_raise_on_every_rank_and_scale_nothing[replicas-2.0-inf]",),
     ),
@@ -2383,7 +2383,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "instances as this rank's value alone: ranks of an instance that agrees clip, the others do not",
         file="pgregistry/grad_stats/_arguments.py",
         find="        unknown = (self.differing() | refused).repeat(2)\n",
-        replace="        unknown = refused.repeat(6)\n",
+        replace="        unknown = refused.repeat(8)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank[one-rank]",),
     ),
@@ -2476,8 +2476,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="ranks given different max_norm values to optimizer.clip_grad_norm scale nothing, their norm NaN, "
         "without a word on the CPU where the verdict is read for free",
         file="pgregistry/grad_stats/_reductions.py",
-        find="        _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)\n",
-        replace="        pass\n",
+        find="    _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)\n",
+        replace="    pass\n",
         tests=("tests/optim/test_optim_clip_arguments_agree.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),
     ),
@@ -2703,8 +2703,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the finishing kernel (CUDA, the 2-norm with the verdict in its row) reads the two float64 arguments' "
         "bytes only: GPU ranks given error_if_nonfinite True and False keep a finite norm, each deciding alone",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find="                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag\n",
-        replace="                inside = byte < 16\n",
+        find="        inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, the flag, the statistic\n",
+        replace="        inside = byte < 16\n",
         tests=(
             "tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
             "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[flags-differ]",

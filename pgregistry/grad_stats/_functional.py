@@ -51,6 +51,7 @@ from pgregistry.grad_stats._reductions import (
     Wanted,
     check_arguments_after,
     reduce_shares,
+    zero_count_after,
 )
 
 __all__ = [
@@ -370,9 +371,8 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
 
         zeros = count_zeros(model, pg)
     """
-    zeros = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.zeros_only()).zeros
-    assert zeros is not None
-    return int(zeros.item())
+    reduced = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.zeros_only())
+    return int(zero_count_after(reduced, "count_zeros", on_host=True).item())
 
 
 def grad_norm_and_zeros(
@@ -417,7 +417,11 @@ def grad_norm_and_zeros(
         norm, zeros = grad_norm_and_zeros(model, pg, max_norm=1.0)
     """
     given = arguments_of_call(
-        norm_type, max_norm, clip=max_norm is not None, error_if_nonfinite=error_if_nonfinite
+        norm_type,
+        max_norm,
+        clip=max_norm is not None,
+        error_if_nonfinite=error_if_nonfinite,
+        zeros=True,
     )
     reduced = _read_reduce_and_clip(
         params,

@@ -32,6 +32,7 @@ from pgregistry.grad_stats._reductions import (
     check_max_norm,
     clip_coefficient,
     reduce_shares,
+    zero_count_after,
 )
 
 __all__ = ["clip_grads_", "norm_of_grads", "scale_grads_", "zeros_of_grads"]
@@ -187,11 +188,8 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
         tensor(4)
     """
     kinds_by_group = _kinds_by_group_checked(grads_by_group)
-    zeros = reduce_shares(
-        _shares_of_groups(grads_by_group, kinds_by_group, Wanted.zeros_only())
-    ).zeros
-    assert zeros is not None
-    return zeros
+    shares = _shares_of_groups(grads_by_group, kinds_by_group, Wanted.zeros_only())
+    return zero_count_after(reduce_shares(shares), "zeros_of_grads")
 
 
 @torch.no_grad()
