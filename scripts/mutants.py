@@ -2789,6 +2789,116 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_checkpoint_examples_load_what_they_saved[save_rank_files-load_rank_files-False]",
         ),
     ),
+    Mutant(
+        name="zero-count-rows-of-their-own-width",
+        bug="a zero count alone makes rows [0, zeros] of its own width: count_zeros on one pipeline stage beside "
+        "grad_norm on the other aborts gloo (88 vs 8, SIGABRT; docs/reliability.md, ninth round, left as found)",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    width = _RANGED_WIDTH + group_size(group)\n",
+        replace="    width = 2 if wanted.p is None else _RANGED_WIDTH + group_size(group)\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[count_zeros-beside-grad_norm]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-carries-no-arguments",
+        bug="a zero count alone carries no arguments in its rows while a norm does: their rows differ in width "
+        "again, and gloo aborts",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="        verdict, given = (), ZEROS_ALONE\n",
+        replace="        verdict, given = (), None\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[grad_norm-beside-count_zeros]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-carries-a-norms-arguments",
+        bug="a zero count alone carries a plain 2-norm's arguments: beside grad_norm on a peer it agrees, and each "
+        "rank returns a sum of the other's statistic, without a word",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="ZEROS_ALONE: Final = Given(0.0, False, None, None, False, Statistic.ZEROS)\n",
+        replace="ZEROS_ALONE: Final = Given(2.0, False, None, None, False, Statistic.NORM)\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[zeros_of_grads-beside-norm_of_grads]",
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_the_reduction_makes_the_count_minus_one_and_the_norm_nan_where_the_statistics_differ"
+            "[zeros-beside-a-norm]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-disagreement-unread",
+        bug="the entry points of a zero count alone do not read the disagreement on the CPU, where it is free: "
+        "count_zeros beside a norm returns -1 without a word",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    _raise_disagreement(reduced, ZEROS_ALONE, owner, read)\n",
+        replace="    pass\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[count_zeros-beside-grad_norm]",
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_an_optimizers_zero_count_beside_its_norm_raises_naming_both_on_every_rank",
+        ),
+    ),
+    Mutant(
+        name="zero-count-kept-where-the-statistics-differ",
+        bug="where the ranks' statistics differ and no rank reads the agreement (a GPU), the zero count is a "
+        "plausible number, not -1: a count summed beside another rank's norm goes unseen",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    return None if zeros is None else torch.where(disagrees, -1, zeros)\n",
+        replace="    return zeros\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_the_reduction_makes_the_count_minus_one_and_the_norm_nan_where_the_statistics_differ"
+            "[zeros-beside-a-norm]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-unread-by-the-finishing-kernel",
+        bug="the finishing kernel (CUDA) leaves the zero count as summed where the ranks' statistics differ: a GPU's "
+        "count_zeros beside a norm on a peer returns a plausible count",
+        file="pgregistry/grad_stats/_triton_kernels.py",
+        find="            zeros = tl.where(disagree, -1.0, zeros)\n",
+        replace="            pass\n",
+        tests=(
+            "tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
+            "test_the_kernel_makes_the_zero_count_minus_one_where_the_statistics_differ[zeros-alone-beside-a-norm]",
+        ),
+    ),
+    Mutant(
+        name="norm-with-zeros-carries-no-statistic",
+        bug="grad_norm_and_zeros carries a plain norm's statistic: beside grad_norm on a peer its zero count lacks "
+        "that rank's zeros, without a word",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="    statistic = Statistic.NORM_AND_ZEROS if zeros else Statistic.NORM\n",
+        replace="    statistic = Statistic.NORM\n",
+        tests=("tests/grad_stats/test_zero_count_beside_a_norm.py::"
+               "test_a_norm_without_its_zero_count_beside_one_with_it_raises_naming_both",),
+    ),
+    Mutant(
+        name="zero-count-peer-unnamed",
+        bug="a norm's rank beside a zero count alone is told its norm_type differs (the zero count's 0.0), not "
+        "that its peer counts zeros",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        alone = (squares - total) / 2\n",
+        replace="        alone = 0.0\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[count_zeros-beside-grad_norm]",
+        ),
+    ),
+    Mutant(
+        name="modules-call-not-agreed",
+        bug="pgregistry.modules.count_zeros beside pgregistry.modules.grad_norm is told as a norm_type given on "
+        "one rank only, not as two calls",
+        file="pgregistry/modules/_stats.py",
+        find='    fields = {"call": owner, **describe_modules(modules), **options}\n',
+        replace="    fields = {**describe_modules(modules), **options}\n",
+        tests=("tests/grad_stats/test_zero_count_beside_a_norm.py::"
+               "test_the_modules_zero_count_beside_their_norm_raises_naming_both_calls_on_every_rank",),
+    ),
 )
 
 
