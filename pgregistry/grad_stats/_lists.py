@@ -177,10 +177,15 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
         grads_by_group: as for :func:`norm_of_grads`.
 
     Returns:
-        A 0-dim int64 tensor.
+        A 0-dim int64 tensor; -1 on a GPU where another rank of a group computes a norm instead
+        (no device sync: nothing is raised there).
 
     Raises:
-        ValueError, TypeError: as :func:`norm_of_grads`.
+        ValueError: on the CPU, on every rank of a group where another rank computes a norm
+            instead (:func:`norm_of_grads`, :func:`~pgregistry.grad_stats.grad_norm`: their rows
+            carry other arguments), naming both, after the reduction; as :func:`norm_of_grads`
+            otherwise.
+        TypeError: as :func:`norm_of_grads`.
 
     Example:
         >>> import torch

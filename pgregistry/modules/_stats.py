@@ -135,7 +135,11 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
         The count, the same on every rank.
 
     Raises:
-        ValueError: as :func:`grad_norm`.
+        ValueError: on every rank, another rank calling another of the job's statistics
+            (:func:`grad_norm`, :func:`clip_grad_norm_`), before any module reduces (``'call'
+            differs``, naming each rank's call); a module's zero count beside a norm on one of its
+            ranks (its reduction's error, named by module, on a GPU too: the count is read on the
+            host); as :func:`grad_norm` otherwise.
 
     Example:
         On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), module

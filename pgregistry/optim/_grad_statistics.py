@@ -73,7 +73,13 @@ class GradStatistics(abc.ABC):
         Each distinct grad element is counted once: duplicates and shared copies are not.
 
         Returns:
-            The count, a 0-dim int64 tensor on the reduction device.
+            The count, a 0-dim int64 tensor on the reduction device; -1 on a GPU where another
+            rank of a group computes a norm instead (no host sync: nothing is raised there).
+
+        Raises:
+            ValueError: where the grads are on the CPU, on every rank of a group where another
+                rank computes a norm instead (:meth:`_grad_norm`, a clip, :meth:`_norm_and_zeros`:
+                their rows carry other arguments), naming both, after the reduction.
         """
         reduced = self.statistics(Wanted.zeros_only())
         return zero_count_after(reduced, f"{type(self).__name__}.count_zeros")
