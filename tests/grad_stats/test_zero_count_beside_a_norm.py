@@ -19,6 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures.errors import value_error_of
 from fixtures.finish_cases import bits
 from torch import nn
 
@@ -81,14 +82,6 @@ FUNCTIONAL: dict[str, Callable[[nn.Module, object], object]] = {
 """The functional and list entry points, each on this stage's grads over both stages."""
 
 
-def _error_of(call: Callable[[], object]) -> str:
-    try:
-        call()
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
 def _functional_on_rank(pairs: list[tuple[str, str]]) -> list[tuple[str, bool, float, int]]:
     """For each pair (rank 0's call, rank 1's): this rank's error, whether its grads are unchanged, and the norm and
     zero count of agreeing calls after it."""
@@ -97,7 +90,7 @@ def _functional_on_rank(pairs: list[tuple[str, str]]) -> list[tuple[str, bool, f
     for pair in pairs:
         model = _model_with_grads(pgc)
         before = [p.grad.clone() for p in model.parameters()]
-        error = _error_of(lambda: FUNCTIONAL[pair[dist.get_rank()]](model, pgc))  # noqa: B023
+        error = value_error_of(lambda: FUNCTIONAL[pair[dist.get_rank()]](model, pgc))  # noqa: B023
         unchanged = all(
             bool((p.grad == b).all()) for p, b in zip(model.parameters(), before, strict=True)
         )
@@ -193,7 +186,7 @@ def _optimizer_on_rank(pairs: list[tuple[str, str]]) -> list[tuple[str, int]]:
     optimizer = _optimizer_with_grads(pgc)
     results = []
     for pair in pairs:
-        error = _error_of(lambda: OPTIMIZER_CALLS[pair[dist.get_rank()]](optimizer))  # noqa: B023
+        error = value_error_of(lambda: OPTIMIZER_CALLS[pair[dist.get_rank()]](optimizer))  # noqa: B023
         results.append((error, int(optimizer.count_zeros())))  # type: ignore[attr-defined]
     return results
 
@@ -236,7 +229,7 @@ def _modules_on_rank(calls: dict[int, str]) -> tuple[str, int]:
     modules = build_modules({"lm": ParallelLayout(num_ranks=2, pp=2)})
     models = {"lm": _model_with_grads(modules["lm"])}
     call = modules_count_zeros if calls[dist.get_rank()] == "count_zeros" else modules_grad_norm
-    error = _error_of(lambda: call(models, modules))
+    error = value_error_of(lambda: call(models, modules))
     return error, modules_count_zeros(models, modules)
 
 
