@@ -8,7 +8,9 @@ the median of ``--repeat`` after ``--warmup``, on every layout of the list that 
 - ``verdict all-reduce``: that 2-element all-reduce alone, over ``intra_dist_opt``;
 - ``grad_norm``: the norm of the model's grads (its own collectives, none across data-parallel replicas);
 - ``clip_grad_norm_``: the norm, the verdict and the coefficient, with ``max_norm`` above the norm (nothing scaled);
-- the difference of the last two: the verdict's cost on the path users call.
+- the difference of the last two: the verdict's cost on the path users call;
+- ``count_zeros``: the zero count alone, whose rows are a norm's width and carry its arguments (a row with peers:
+  pipeline stages), so a zero count beside a norm on another rank is told, not a collective of another size.
 
 Usage: ``torchrun --nproc-per-node 4 benchmarks/clip_verdict.py`` (gloo on CPU by default; ``--device cuda`` for
 NCCL, one GPU per rank). The model: ``--params`` parameters of ``--numel`` elements each per rank.
@@ -31,7 +33,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.common import fill_, measure  # noqa: E402
 from pgregistry import registry  # noqa: E402
-from pgregistry.grad_stats import clip_grad_norm_, grad_norm  # noqa: E402
+from pgregistry.grad_stats import clip_grad_norm_, count_zeros, grad_norm  # noqa: E402
 from pgregistry.layout import ParallelLayout  # noqa: E402
 
 
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             "verdict all-reduce": lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group),  # noqa: B023
             "grad_norm": lambda: grad_norm(model, pg),  # noqa: B023
             "clip_grad_norm_": lambda: clip_grad_norm_(model, 1e30, pg),  # noqa: B023
+            "count_zeros": lambda: count_zeros(model, pg),  # noqa: B023
         }
         timings = {row: measure(call, device, args.warmup, args.repeat)[0] for row, call in calls.items()}
         rows.append((name, timings))
@@ -84,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clip verdict: {world} ranks, {'nccl' if cuda else 'gloo'}, {where}, torch {torch.__version__}, "
               f"{args.params} grads of {args.numel} elements per rank, median of {args.repeat}")
         print(f"  {'layout':<10} {'verdict all-reduce':>19} {'grad_norm':>10} {'clip_grad_norm_':>16} "
-              f"{'clip - norm':>12}")
+              f"{'clip - norm':>12} {'count_zeros':>12}")
         for name, t in rows:
             print(f"  {name:<10} {t['verdict all-reduce']:16.3f} ms {t['grad_norm']:7.3f} ms "
-                  f"{t['clip_grad_norm_']:13.3f} ms {t['clip_grad_norm_'] - t['grad_norm']:9.3f} ms")
+                  f"{t['clip_grad_norm_']:13.3f} ms {t['clip_grad_norm_'] - t['grad_norm']:9.3f} ms "
+                  f"{t['count_zeros']:9.3f} ms")
     registry.destroy()
     dist.destroy_process_group()
     return 0

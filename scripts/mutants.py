@@ -2290,8 +2290,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="ranks given different max_norm values clip by different coefficients, their replicas drifting apart "
         "(docs/reliability.md, hostile inputs, fifth round): every rank carries the same arguments in the verdict",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        return agreement_columns(max_norm, self.p, self.error_if_nonfinite, summed, device)\n",
-        replace="        return agreement_columns(1.0, 2.0, self.error_if_nonfinite, summed, device)\n",
+        find="        return agreement_columns(max_norm, self.p, flag, self.statistic, summed, device)\n",
+        replace="        return agreement_columns(1.0, 2.0, flag, self.statistic, summed, device)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing",
                "tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
@@ -2312,8 +2312,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the finishing kernel reads max_norm's bytes only: GPU ranks clipping with norm types 1 and 3 (rows of one "
         "width) scale by a norm that mixes both",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find="                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag\n",
-        replace="                inside = byte < 8  # max_norm's bytes only\n",
+        find="        inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, the flag, the statistic\n",
+        replace="        inside = byte < 8  # max_norm's bytes only\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[max_norm-1-norm-types-2-and-1]",),
     ),
@@ -2322,8 +2322,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the finishing kernel (CUDA, the 2-norm with the verdict in its row) leaves the norm finite where the "
         "ranks' max_norm values differ: each GPU rank scales by its own coefficient",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find='                norm = tl.where((refused > 0) | (differ > 0), float("nan"), norm)\n',
-        replace="",
+        find='            norm = tl.where(disagree, float("nan"), norm)\n',
+        replace="            pass\n",
         tests=("tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
                "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits",),
     ),
@@ -2331,8 +2331,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="norm-type-left-out-of-the-clip-agreement",
         bug="replicas clipping with norm types 2 and inf each clip by their own norm, silently",
         file="pgregistry/grad_stats/_arguments.py",
-        find="        values = [0.0, max_norm, norm_type, flag, -max_norm, -norm_type, -flag]\n",
-        replace="        values = [0.0, max_norm, 2.0, flag, -max_norm, -2.0, -flag]\n",
+        find="        values = [0.0, max_norm, norm_type, flag, kind, -max_norm, -norm_type, -flag, -kind]\n",
+        replace="        values = [0.0, max_norm, 2.0, flag, kind, -max_norm, -2.0, -flag, -kind]\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_different_norm_types_raise_on_every_rank_and_scale_nothing[replicas-2.0-inf]",),
     ),
@@ -2383,7 +2383,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "instances as this rank's value alone: ranks of an instance that agrees clip, the others do not",
         file="pgregistry/grad_stats/_arguments.py",
         find="        unknown = (self.differing() | refused).repeat(2)\n",
-        replace="        unknown = refused.repeat(6)\n",
+        replace="        unknown = refused.repeat(8)\n",
         tests=("tests/grad_stats/test_clip_arguments_agree_across_ranks.py::"
                "test_arguments_that_differ_across_optimizer_instances_raise_on_every_rank[one-rank]",),
     ),
@@ -2476,8 +2476,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="ranks given different max_norm values to optimizer.clip_grad_norm scale nothing, their norm NaN, "
         "without a word on the CPU where the verdict is read for free",
         file="pgregistry/grad_stats/_reductions.py",
-        find="        _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)\n",
-        replace="        pass\n",
+        find="    _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)\n",
+        replace="    pass\n",
         tests=("tests/optim/test_optim_clip_arguments_agree.py::"
                "test_different_max_norms_raise_on_every_rank_and_scale_nothing[inf-replicas]",),
     ),
@@ -2703,8 +2703,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the finishing kernel (CUDA, the 2-norm with the verdict in its row) reads the two float64 arguments' "
         "bytes only: GPU ranks given error_if_nonfinite True and False keep a finite norm, each deciding alone",
         file="pgregistry/grad_stats/_triton_kernels.py",
-        find="                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag\n",
-        replace="                inside = byte < 16\n",
+        find="        inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, the flag, the statistic\n",
+        replace="        inside = byte < 16\n",
         tests=(
             "tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
             "test_the_kernel_finishes_a_clips_arguments_with_the_torch_paths_bits[flags-differ]",
@@ -2823,6 +2823,116 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/torchtitan/test_torchtitan_doctests.py::"
             "test_the_torchtitan_examples_print_what_they_show_on_every_rank",
         ),
+    ),
+    Mutant(
+        name="zero-count-rows-of-their-own-width",
+        bug="a zero count alone makes rows [0, zeros] of its own width: count_zeros on one pipeline stage beside "
+        "grad_norm on the other aborts gloo (88 vs 8, SIGABRT; docs/reliability.md, ninth round, left as found)",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    width = _RANGED_WIDTH + group_size(group)\n",
+        replace="    width = 2 if wanted.p is None else _RANGED_WIDTH + group_size(group)\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[count_zeros-beside-grad_norm]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-carries-no-arguments",
+        bug="a zero count alone carries no arguments in its rows while a norm does: their rows differ in width "
+        "again, and gloo aborts",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="        verdict, given = (), ZEROS_ALONE\n",
+        replace="        verdict, given = (), None\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[grad_norm-beside-count_zeros]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-carries-a-norms-arguments",
+        bug="a zero count alone carries a plain 2-norm's arguments: beside grad_norm on a peer it agrees, and each "
+        "rank returns a sum of the other's statistic, without a word",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="ZEROS_ALONE: Final = Given(0.0, False, None, None, False, Statistic.ZEROS)\n",
+        replace="ZEROS_ALONE: Final = Given(2.0, False, None, None, False, Statistic.NORM)\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[zeros_of_grads-beside-norm_of_grads]",
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_the_reduction_makes_the_count_minus_one_and_the_norm_nan_where_the_statistics_differ"
+            "[zeros-beside-a-norm]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-disagreement-unread",
+        bug="the entry points of a zero count alone do not read the disagreement on the CPU, where it is free: "
+        "count_zeros beside a norm returns -1 without a word",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    _raise_disagreement(reduced, ZEROS_ALONE, owner, read)\n",
+        replace="    pass\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[count_zeros-beside-grad_norm]",
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_an_optimizers_zero_count_beside_its_norm_raises_naming_both_on_every_rank",
+        ),
+    ),
+    Mutant(
+        name="zero-count-kept-where-the-statistics-differ",
+        bug="where the ranks' statistics differ and no rank reads the agreement (a GPU), the zero count is a "
+        "plausible number, not -1: a count summed beside another rank's norm goes unseen",
+        file="pgregistry/grad_stats/_reductions.py",
+        find="    return None if zeros is None else torch.where(disagrees, -1, zeros)\n",
+        replace="    return zeros\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_the_reduction_makes_the_count_minus_one_and_the_norm_nan_where_the_statistics_differ"
+            "[zeros-beside-a-norm]",
+        ),
+    ),
+    Mutant(
+        name="zero-count-unread-by-the-finishing-kernel",
+        bug="the finishing kernel (CUDA) leaves the zero count as summed where the ranks' statistics differ: a GPU's "
+        "count_zeros beside a norm on a peer returns a plausible count",
+        file="pgregistry/grad_stats/_triton_kernels.py",
+        find="            zeros = tl.where(disagree, -1.0, zeros)\n",
+        replace="            pass\n",
+        tests=(
+            "tests/grad_stats/test_finish_kernel_reads_the_clip_arguments.py::"
+            "test_the_kernel_makes_the_zero_count_minus_one_where_the_statistics_differ[zeros-alone-beside-a-norm]",
+        ),
+    ),
+    Mutant(
+        name="norm-with-zeros-carries-no-statistic",
+        bug="grad_norm_and_zeros carries a plain norm's statistic: beside grad_norm on a peer its zero count lacks "
+        "that rank's zeros, without a word",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="    statistic = Statistic.NORM_AND_ZEROS if zeros else Statistic.NORM\n",
+        replace="    statistic = Statistic.NORM\n",
+        tests=("tests/grad_stats/test_zero_count_beside_a_norm.py::"
+               "test_a_norm_without_its_zero_count_beside_one_with_it_raises_naming_both",),
+    ),
+    Mutant(
+        name="zero-count-peer-unnamed",
+        bug="a norm's rank beside a zero count alone is told its norm_type differs (the zero count's 0.0), not "
+        "that its peer counts zeros",
+        file="pgregistry/grad_stats/_arguments.py",
+        find="        alone = (squares - total) / 2\n",
+        replace="        alone = 0.0\n",
+        tests=(
+            "tests/grad_stats/test_zero_count_beside_a_norm.py::"
+            "test_a_zero_count_beside_a_norm_raises_naming_both_on_every_rank[count_zeros-beside-grad_norm]",
+        ),
+    ),
+    Mutant(
+        name="modules-call-not-agreed",
+        bug="pgregistry.modules.count_zeros beside pgregistry.modules.grad_norm is told as a norm_type given on "
+        "one rank only, not as two calls",
+        file="pgregistry/modules/_stats.py",
+        find='    fields = {"call": owner, **describe_modules(modules), **options}\n',
+        replace="    fields = {**describe_modules(modules), **options}\n",
+        tests=("tests/grad_stats/test_zero_count_beside_a_norm.py::"
+               "test_the_modules_zero_count_beside_their_norm_raises_naming_both_calls_on_every_rank",),
     ),
 )
 

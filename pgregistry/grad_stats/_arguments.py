@@ -15,11 +15,14 @@ given different ``max_norm`` or ``norm_type`` values clip by different coefficie
 with it, and :func:`agreement_columns` puts what it was given at the end of every reduction row with
 peers, a plain norm's too (``max_norm`` 0.0), and in a clip's verdict: rows the call reduces anyway
 (no collective more); :class:`Agreement` reads the result (see its docstring for what each rank
-does).
+does). What the call reduces rides with them (:class:`Statistic`): a zero count alone makes rows of
+a norm's width and carries its own arguments (:data:`ZEROS_ALONE`), so a zero count on some ranks
+beside a norm on others is told as a disagreement too, not a collective of another size.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import numbers
@@ -38,6 +41,8 @@ __all__ = [
     "CLIP_EPSILON",
     "Agreement",
     "Given",
+    "Statistic",
+    "ZEROS_ALONE",
     "agreement_columns",
     "arguments_of_call",
     "check_max_norm",
@@ -170,6 +175,42 @@ def _refuse_negative(total_norm: object, value: float) -> None:
         )
 
 
+class Statistic(enum.IntEnum):
+    """What a call reduces, carried beside its arguments: ranks reducing together must agree on it.
+
+    A zero count alone beside a norm (``count_zeros`` on one pipeline stage, ``grad_norm`` on the
+    other) sums shares of neither; a norm without a zero count beside one with it leaves the
+    latter's count without that rank's zeros. Each value is a byte of :func:`agreement_columns`
+    (0, 1 or 2: from its sum and sum of squares over ``n`` ranks, how many ranks reduce each)."""
+
+    NORM = 0
+    NORM_AND_ZEROS = 1
+    ZEROS = 2
+
+    def action(self) -> str:
+        """What a rank reducing this statistic does, for messages."""
+        return _ACTIONS[self]
+
+    def calls(self) -> str:
+        """:meth:`action` and the entry points that do it, for messages."""
+        return f"{_ACTIONS[self]} ({_CALLS[self]})"
+
+
+_ACTIONS: Final = {
+    Statistic.NORM: "computes a norm without a zero count",
+    Statistic.NORM_AND_ZEROS: "computes a norm and the zero count together",
+    Statistic.ZEROS: "counts zeros alone",
+}
+
+_CALLS: Final = {
+    Statistic.NORM: "grad_norm, clip_grad_norm_, norm_of_grads, an optimizer's get_grad_norm or "
+    "clip_grad_norm",
+    Statistic.NORM_AND_ZEROS: "grad_norm_and_zeros, an optimizer's get_grad_norm_and_zeros",
+    Statistic.ZEROS: "count_zeros, zeros_of_grads, an optimizer's count_zeros, "
+    "pgregistry.modules.count_zeros",
+}
+
+
 @attrs.frozen(slots=True)
 class Given:
     """A call's ``norm_type``, ``max_norm`` and ``error_if_nonfinite`` on this rank: checked, held.
@@ -180,13 +221,15 @@ class Given:
     in the reduction. ``p`` is the norm type, 2.0 (the default, the row its peers most likely make)
     where refused; ``max_norm`` the checked value as a float (``None`` without a clip or where
     refused); ``error_if_nonfinite`` whether a clip raises on a non-finite norm (``False`` without a
-    clip, which does not read it, or where refused)."""
+    clip, which does not read it, or where refused); ``statistic`` what the call reduces (a zero
+    count alone: :data:`ZEROS_ALONE`)."""
 
     p: float
     clip: bool
     max_norm: float | None
     refusal: Exception | None
     error_if_nonfinite: bool
+    statistic: Statistic = Statistic.NORM
 
     def columns(self, *, summed: bool, device: torch.device) -> torch.Tensor:
         """These arguments as :func:`agreement_columns` (made once per value and device).
@@ -194,13 +237,24 @@ class Given:
         A call that does not clip carries ``max_norm`` 0.0, which no clip is given: a clip on some
         ranks beside a plain norm on others differs in it."""
         if self.refusal is not None:
-            return agreement_columns(None, self.p, False, summed, device)
+            return agreement_columns(None, self.p, False, self.statistic, summed, device)
         max_norm = self.max_norm if self.clip else 0.0
-        return agreement_columns(max_norm, self.p, self.error_if_nonfinite, summed, device)
+        flag = self.error_if_nonfinite
+        return agreement_columns(max_norm, self.p, flag, self.statistic, summed, device)
+
+
+ZEROS_ALONE: Final = Given(0.0, False, None, None, False, Statistic.ZEROS)
+"""A zero count's arguments: it takes none, and carries these (``norm_type`` 0.0, which no norm is
+given, and :attr:`Statistic.ZEROS`) in its rows with peers, as a norm carries its own."""
 
 
 def arguments_of_call(
-    norm_type: object, max_norm: object, *, clip: bool, error_if_nonfinite: object = False
+    norm_type: object,
+    max_norm: object,
+    *,
+    clip: bool,
+    error_if_nonfinite: object = False,
+    zeros: bool = False,
 ) -> Given:
     """``norm_type`` and (with ``clip``) ``max_norm`` checked, their fault held: :class:`Given`.
 
@@ -208,7 +262,8 @@ def arguments_of_call(
     ``error_if_nonfinite`` must be a bool: a string such as ``'False'`` (from a configuration) was
     true, and raised on a non-finite norm where the caller meant to skip the step. A clip's rides in
     the verdict beside the two numbers: given ``True`` on some ranks only, a non-finite norm raised
-    there and was returned on the others."""
+    there and was returned on the others. ``zeros``: the call counts zeros beside the norm
+    (:attr:`Statistic.NORM_AND_ZEROS`)."""
     max_norm_fault = max_norm_error(max_norm) if clip else None
     norm_type_fault = norm_type_error(norm_type)
     flag_fault = flag_error(error_if_nonfinite, "error_if_nonfinite")
@@ -216,24 +271,27 @@ def arguments_of_call(
     refusal = max_norm_fault or norm_type_fault or flag_fault
     value = real_number(max_norm) if clip and refusal is None else None
     raises = clip and refusal is None and error_if_nonfinite is True
-    return Given(2.0 if p is None else p, clip, value, refusal, raises)
+    statistic = Statistic.NORM_AND_ZEROS if zeros else Statistic.NORM
+    return Given(2.0 if p is None else p, clip, value, refusal, raises, statistic)
 
 
-ARGUMENTS: Final = ("max_norm", "norm_type", "error_if_nonfinite")
-"""The arguments ranks must agree on, in the order of :func:`agreement_columns`' values."""
+ARGUMENTS: Final = ("max_norm", "norm_type", "error_if_nonfinite", "statistic")
+"""What ranks must agree on, in the order of :func:`agreement_columns`' values: the arguments, then
+the statistic the call reduces (:class:`Statistic`)."""
 
-_ARGUMENT_BYTES: Final = (8, 8, 1)
-"""Each argument's bytes in the summed form: a float64's eight, the flag's one (0 or 1)."""
+_ARGUMENT_BYTES: Final = (8, 8, 1, 1)
+"""Each argument's bytes in the summed form: a float64's eight, the flag's one (0 or 1), the
+statistic's one (0, 1 or 2)."""
 
 AGREEMENT_BYTES: Final = sum(_ARGUMENT_BYTES)
 """The arguments' bytes, each a column of the summed form (the finishing kernel reads them)."""
 
 AGREEMENT_WIDTH_SUM: Final = 1 + 2 * AGREEMENT_BYTES
-"""The summed form's width: ``[refused, c_0 .. c_16, c_0**2 .. c_16**2]``, ``c_k`` the bytes."""
+"""The summed form's width: ``[refused, c_0 .. c_17, c_0**2 .. c_17**2]``, ``c_k`` the bytes."""
 
 AGREEMENT_WIDTH_MAX: Final = 1 + 2 * len(ARGUMENTS)
-"""The maximum's form's width: ``[refused, max_norm, norm_type, flag, -max_norm, -norm_type,
--flag]``, the flag ``error_if_nonfinite`` as 0 or 1."""
+"""The maximum's form's width: ``[refused, max_norm, norm_type, flag, statistic, -max_norm,
+-norm_type, -flag, -statistic]``, the flag ``error_if_nonfinite`` as 0 or 1."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -241,31 +299,35 @@ def agreement_columns(
     max_norm: float | None,
     norm_type: float,
     error_if_nonfinite: bool,
+    statistic: Statistic,
     summed: bool,
     device: torch.device,
 ) -> torch.Tensor:
     """What a rank was given, as columns of its rows and a clip's verdict (float64, on ``device``).
 
     ``max_norm`` ``None`` is a refusal (of any argument), 0.0 a plain norm's (no clip). Summed
-    over ``n`` ranks (a row reduced with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 17 bytes
-    of :data:`ARGUMENTS`: the two float64s' bits, then the flag (0 or 1): every rank was given the
-    same bits exactly when each byte's ``n * sum(c**2) == sum(c)**2`` (equal terms, by
-    Cauchy-Schwarz); every sum is a whole number below 2**53, the test exact for ``n`` up to 2**23.
-    Reduced with MAX: ``[refused, max_norm, norm_type, flag, -max_norm, -norm_type, -flag]``
-    (``-inf`` but ``refused`` where refused): the largest and the negated smallest. Made once per
+    over ``n`` ranks (a row reduced with SUM): ``[refused, c_k.., c_k**2..]``, ``c_k`` the 18 bytes
+    of :data:`ARGUMENTS`: the two float64s' bits, then the flag (0 or 1) and the statistic (0, 1 or
+    2): every rank was given the same bits exactly when each byte's ``n * sum(c**2) == sum(c)**2``
+    (equal terms, by Cauchy-Schwarz); every sum is a whole number below 2**53, the test exact for
+    ``n`` up to 2**23. Reduced with MAX: ``[refused, max_norm, norm_type, flag, statistic,
+    -max_norm, -norm_type, -flag, -statistic]`` (``-inf`` but ``refused`` where refused): the
+    largest and the negated smallest. A refusal carries no statistic (every byte 0). Made once per
     value and device, so a clip called every step with the same arguments adds no operation but the
     concatenation (no copy to the device)."""
     flag = 1.0 if error_if_nonfinite else 0.0
+    kind = float(statistic)
     if summed:
         if max_norm is None:
             values = [1.0] + [0.0] * (2 * AGREEMENT_BYTES)
         else:
-            chunks = [float(byte) for byte in struct.pack("<2d", max_norm, norm_type)] + [flag]
+            chunks = [float(byte) for byte in struct.pack("<2d", max_norm, norm_type)]
+            chunks += [flag, kind]
             values = [0.0, *chunks, *(chunk * chunk for chunk in chunks)]
     elif max_norm is None:
         values = [1.0] + [-math.inf] * (2 * len(ARGUMENTS))
     else:
-        values = [0.0, max_norm, norm_type, flag, -max_norm, -norm_type, -flag]
+        values = [0.0, max_norm, norm_type, flag, kind, -max_norm, -norm_type, -flag, -kind]
     return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
 
@@ -318,10 +380,16 @@ class Agreement:
         """The error every rank raises, or ``None``: reads the columns on the host (a device sync).
 
         ``None`` too where this rank refused its argument: it raises its own fault, naming it. A
-        call without a clip names the ranks its norm is reduced over, and a NaN norm."""
+        call without a clip names the ranks its norm is reduced over, and a NaN norm. Ranks that
+        reduce different statistics (:class:`Statistic`) are told first: their arguments differ
+        because their calls do."""
         if given.refusal is not None:
             return None
         values = self.columns.tolist()
+        if given.statistic == Statistic.ZEROS:  # every peer that differs computes a norm
+            if values[0] > 0 or self._differing_columns().any():
+                return _statistics_fault(owner, given.statistic, _ANY_NORM)
+            return None
         if given.clip:
             this = (
                 f"max_norm={given.max_norm!r}, norm_type={given.p!r}, "
@@ -339,7 +407,12 @@ class Agreement:
             )
         if not self._differing_columns().any():  # every call that agrees: no spread to tell
             return None
-        spreads = dict(zip(ARGUMENTS, self._argument_spreads(values), strict=True))
+        others = [kind for kind in self._statistics_present(values) if kind != given.statistic]
+        if others:
+            return _statistics_fault(
+                owner, given.statistic, " and another ".join(map(Statistic.calls, others))
+            )
+        spreads = dict(zip(ARGUMENTS[:-1], self._argument_spreads(values), strict=True))
         if not given.clip and spreads["max_norm"] is not None:
             spreads["max_norm"] += " (this rank does not clip; another does)"
         differ = [f"{name}{spread}" for name, spread in spreads.items() if spread is not None]
@@ -355,6 +428,26 @@ class Agreement:
             f"was given {this}: {why}, so {outcome}: pass the same values on every rank"
         )
 
+    def _statistics_present(self, values: list[float]) -> list[Statistic]:
+        """The statistics some rank reduces (a refusing rank's a norm's), from the reduced columns.
+
+        Summed over ``n`` ranks, the statistic's byte (0, 1 or 2) gives how many ranks reduce each:
+        ``(sum(c**2) - sum(c)) / 2`` the zero count alone, ``sum(c)`` less twice that the norm with
+        it, the rest the norm alone. The maximum's form gives the least and the largest."""
+        count = len(ARGUMENTS)
+        if not self.ranks:
+            present = {values[count], -values[2 * count]}
+            return [kind for kind in Statistic if float(kind) in present]
+        total, squares = values[AGREEMENT_BYTES], values[2 * AGREEMENT_BYTES]
+        alone = (squares - total) / 2
+        with_norm = total - 2 * alone
+        ranks = {
+            Statistic.NORM: self.ranks - with_norm - alone,
+            Statistic.NORM_AND_ZEROS: with_norm,
+            Statistic.ZEROS: alone,
+        }
+        return [kind for kind, ranks_of_kind in ranks.items() if ranks_of_kind > 0]
+
     def _argument_spreads(self, values: list[float]) -> list[str | None]:
         """Each argument's spread over the ranks (``''`` where unknown), ``None`` where equal.
 
@@ -369,6 +462,7 @@ class Agreement:
             ]
         else:
             spreads = ["" if differs else None for differs in self.differing().tolist()]
+        spreads = spreads[:-1]  # the statistic's is told first (fault)
         if spreads[-1] is not None:
             spreads[-1] = " (True on some ranks, False on others)"
         return spreads
@@ -381,3 +475,19 @@ class Agreement:
         if least == -math.inf:
             return ""
         return f" (from {'0.0, no clip,' if least == 0.0 else repr(least)} to {high!r})"
+
+
+_ANY_NORM: Final = (
+    "computes a norm (grad_norm, clip_grad_norm_, grad_norm_and_zeros, norm_of_grads, an "
+    "optimizer's get_grad_norm, get_grad_norm_and_zeros or clip_grad_norm)"
+)
+"""What a zero count's peer that differs does, for its message (a refusing rank's is unknown)."""
+
+
+def _statistics_fault(owner: str, this: Statistic, others: str) -> ValueError:
+    """The error of ranks reducing different statistics together: ``others`` is what peers do."""
+    return ValueError(
+        f"{owner}: another rank reducing with this one {others}, where this rank "
+        f"{this.action()}: the shares summed are of no one statistic, so the norm is NaN and the "
+        "zero count -1 on every rank (nothing is scaled): call the same statistics on every rank"
+    )

@@ -51,6 +51,7 @@ from pgregistry.grad_stats._reductions import (
     Wanted,
     check_arguments_after,
     reduce_shares,
+    zero_count_after,
 )
 
 __all__ = [
@@ -356,7 +357,9 @@ def grad_norm(
             ``None``.
         ValueError: ``norm_type`` not positive (after the reduction, which this rank joins); on
             the CPU, ``norm_type`` differing across the ranks of a reduction, or refused on one of
-            them, on each of them (on a GPU the norm is NaN: no device sync); given a model or model
+            them, on each of them (on a GPU the norm is NaN: no device sync), and so another rank of
+            a reduction computing another statistic (:func:`count_zeros`, or
+            :func:`grad_norm_and_zeros` beside this one), naming both; given a model or model
             chunks, parameters of a marked expert module without an EP classification
             (:func:`check_expert_classification`);
             given tensors, none that has a grad or can get one (grads, a ``state_dict``'s copies:
@@ -402,8 +405,12 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
 
     Raises:
         TypeError: ``pg_collection`` neither a collection nor ``None``.
-        ValueError: as :func:`grad_norm` (an unclassified expert parameter, a collection that
-            disagrees, is not this rank's or was destroyed).
+        ValueError: on every rank of a reduction where another rank computes a norm instead
+            (:func:`grad_norm`, :func:`clip_grad_norm_`, :func:`grad_norm_and_zeros`: their rows
+            carry other arguments), naming both, on a GPU too (the count is read on the host
+            anyway; the norm there is NaN and nothing is scaled); as :func:`grad_norm` otherwise
+            (an unclassified expert parameter, a collection that disagrees, is not this rank's or
+            was destroyed).
 
     Example:
         On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), a
@@ -420,9 +427,8 @@ def count_zeros(params: ParamsLike, pg_collection: ProcessGroupCollection | None
         >>> count_zeros(model, pg)  # in the whole grad, [0, 3, 0, 4]
         2
     """
-    zeros = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.zeros_only()).zeros
-    assert zeros is not None
-    return int(zeros.item())
+    reduced = _read_reduce_and_clip(params, pg_collection, "count_zeros", Wanted.zeros_only())
+    return int(zero_count_after(reduced, "count_zeros", on_host=True).item())
 
 
 def grad_norm_and_zeros(
@@ -458,7 +464,9 @@ def grad_norm_and_zeros(
             collection nor ``None``.
         ValueError: ``norm_type`` not positive; ``max_norm`` not positive and finite; with
             ``max_norm``, the ranks' arguments differing or refused on another rank, as
-            :func:`clip_grad_norm_`; as :func:`grad_norm` otherwise.
+            :func:`clip_grad_norm_`; another rank of a reduction counting zeros alone or computing
+            the norm without them, where the grads are on the CPU (on a GPU the norm is NaN and the
+            count -1); as :func:`grad_norm` otherwise.
         RuntimeError: with ``max_norm`` and ``error_if_nonfinite``, a non-finite norm, on every
             rank.
 
@@ -479,7 +487,11 @@ def grad_norm_and_zeros(
         (tensor(5.), tensor(2), tensor(1.0000))
     """
     given = arguments_of_call(
-        norm_type, max_norm, clip=max_norm is not None, error_if_nonfinite=error_if_nonfinite
+        norm_type,
+        max_norm,
+        clip=max_norm is not None,
+        error_if_nonfinite=error_if_nonfinite,
+        zeros=True,
     )
     reduced = _read_reduce_and_clip(
         params,

@@ -32,6 +32,7 @@ from pgregistry.grad_stats._reductions import (
     check_max_norm,
     clip_coefficient,
     reduce_shares,
+    zero_count_after,
 )
 
 __all__ = ["clip_grads_", "norm_of_grads", "scale_grads_", "zeros_of_grads"]
@@ -189,10 +190,15 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
         grads_by_group: as for :func:`norm_of_grads`.
 
     Returns:
-        A 0-dim int64 tensor.
+        A 0-dim int64 tensor; -1 on a GPU where another rank of a group computes a norm instead
+        (no device sync: nothing is raised there).
 
     Raises:
-        ValueError, TypeError: as :func:`norm_of_grads`.
+        ValueError: on the CPU, on every rank of a group where another rank computes a norm
+            instead (:func:`norm_of_grads`, :func:`~pgregistry.grad_stats.grad_norm`: their rows
+            carry other arguments), naming both, after the reduction; as :func:`norm_of_grads`
+            otherwise.
+        TypeError: as :func:`norm_of_grads`.
 
     Example:
         >>> import torch
@@ -200,11 +206,8 @@ def zeros_of_grads(grads_by_group: GradsByGroup) -> torch.Tensor:
         tensor(4)
     """
     kinds_by_group = _kinds_by_group_checked(grads_by_group)
-    zeros = reduce_shares(
-        _shares_of_groups(grads_by_group, kinds_by_group, Wanted.zeros_only())
-    ).zeros
-    assert zeros is not None
-    return zeros
+    shares = _shares_of_groups(grads_by_group, kinds_by_group, Wanted.zeros_only())
+    return zero_count_after(reduce_shares(shares), "zeros_of_grads")
 
 
 @torch.no_grad()

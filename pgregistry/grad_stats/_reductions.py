@@ -14,11 +14,14 @@ every collective of a call in the one agreed order and combines:
 2. one all-reduce per reduction group, in an order every rank agrees on (by the group's ranks, then
    its name; :func:`reduce_over_groups`), of the group's row: both statistics in one collective,
    a SUM of one width whatever the norm type (the inf-norm's maxima in a column per rank:
-   :func:`_local_row`), so ranks given different norm types issue the same collectives. A call's
-   checked arguments (``given``: ``norm_type``, a clip's ``max_norm`` or 0.0 without one and its
-   ``error_if_nonfinite``, a refusal) ride at the end of every row with peers, and the norm is NaN
-   wherever they differ (:class:`~pgregistry.grad_stats._arguments.Agreement`;
-   :func:`check_arguments_after` raises it where no device sync is needed);
+   :func:`_local_row`), so ranks given different norm types issue the same collectives, and a zero
+   count alone makes rows of that width too. A call's checked arguments (``given``: ``norm_type``,
+   a clip's ``max_norm`` or 0.0 without one and its ``error_if_nonfinite``, a refusal, and the
+   statistics it reduces; a zero count alone carries
+   :data:`~pgregistry.grad_stats._arguments.ZEROS_ALONE`) ride at the end of every row with peers,
+   and wherever they differ the norm is NaN and the zero count -1
+   (:class:`~pgregistry.grad_stats._arguments.Agreement`; :func:`check_arguments_after` raises it
+   where no device sync is needed);
 3. with ``verdict`` (clipping): the NaN / inf seen anywhere, over every rank that holds grads (the
    collection's ``intra_dist_opt``, and ``inter_dist_opt`` across optimizer instances), so every
    rank clips, skips or raises alike. One small all-reduce (MAX, with the arguments), none when a
@@ -61,6 +64,7 @@ from pgregistry.collection import FIELD_NAMES, GroupName, group_size
 from pgregistry.grad_stats._arguments import (
     AGREEMENT_WIDTH_SUM,
     CLIP_EPSILON,
+    ZEROS_ALONE,
     Agreement,
     Given,
     check_max_norm,
@@ -73,6 +77,7 @@ __all__ = [
     "CLIP_EPSILON",
     "Clipping",
     "check_arguments_after",
+    "zero_count_after",
     "GradsByGroup",
     "GroupKey",
     "Reduced",
@@ -358,25 +363,40 @@ def check_arguments_after(
 
     After the reduction, which a refusing rank joined first (no peer waits); the disagreement as
     :func:`_raise_disagreement` reads it. A norm without a clip checks this too: its rows carry the
-    arguments as a clip's do (:func:`reduce_shares`)."""
+    arguments as a clip's do (:func:`reduce_shares`); so does a zero count alone
+    (:func:`zero_count_after`)."""
     if given.refusal is not None:
         raise given.refusal
-    if reduced.norm64 is not None:
-        _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)
+    _raise_disagreement(reduced, given, owner, error_if_nonfinite is True)
 
 
-def _raise_disagreement(
-    reduced: Reduced, given: Given, owner: str, error_if_nonfinite: bool
-) -> None:
+def zero_count_after(reduced: Reduced, owner: str, *, on_host: bool = False) -> torch.Tensor:
+    """The zero count of a zero count alone's reduction, once its disagreement is raised.
+
+    A peer that computed a norm instead (its rows carried other arguments than
+    :data:`~pgregistry.grad_stats._arguments.ZEROS_ALONE`) is raised where it costs no device
+    sync, as :func:`check_arguments_after` raises, and with ``on_host`` (the caller reads the count
+    on the host anyway, returning an int) on a GPU too; on a GPU otherwise the count is -1 on this
+    rank, the norm NaN on that peer. The one check of every entry point of a zero count alone."""
+    zeros = reduced.zeros
+    assert zeros is not None
+    read = on_host and reduced.agreement is not None and int(zeros) < 0
+    _raise_disagreement(reduced, ZEROS_ALONE, owner, read)
+    return zeros
+
+
+def _raise_disagreement(reduced: Reduced, given: Given, owner: str, read: bool) -> None:
     """Raise the arguments' disagreement across ranks, where it costs no device sync.
 
-    Where the verdict lies on the host, or with ``error_if_nonfinite`` (which reads the norm anyway)
-    and a non-finite norm. Elsewhere (a GPU) the norm is NaN on every rank and nothing is scaled."""
+    Where the verdict lies on the host, or where the caller reads the result anyway (``read``: a
+    clip's ``error_if_nonfinite``, with a non-finite norm; a zero count returned as an int).
+    Elsewhere (a GPU) the norm is NaN on every rank, the zero count -1, and nothing is scaled."""
     agreement = reduced.agreement
-    if agreement is None or reduced.norm64 is None:
+    if agreement is None:
         return
     if agreement.columns.device.type != "cpu":
-        if not error_if_nonfinite or bool(torch.isfinite(reduced.norm64)):
+        norm = reduced.norm64
+        if not read or (norm is not None and bool(torch.isfinite(norm))):
             return
     fault = agreement.fault(given, owner)
     if fault is not None:
@@ -502,8 +522,8 @@ def _reduce_once(
     if given is not None and given.refusal is not None:
         for group in list(shares.by_group):
             shares.add(group, _poison_part(device))
-    if wanted.p is None:  # the zero count alone: no verdict, no arguments
-        verdict, given = (), None
+    if wanted.p is None:  # the zero count alone: no verdict, its own arguments
+        verdict, given = (), ZEROS_ALONE
     firsts = _reduce_blocks(shares, given)
     rows = {g: _local_row(parts, wanted, device, g) for g, parts in shares.by_group.items()}
     verdict_groups = [group for group in verdict if group is not None and group_size(group) > 1]
@@ -536,7 +556,9 @@ def _reduce_once(
     if wanted.zeros:
         zeros = _column_total(list(reduced.values()), _ZEROS, device).round().to(torch.int64)
     if wanted.p is None:
-        return Reduced(norm64=None, zeros=zeros, wide=shares.wide)
+        if agreement is not None:
+            zeros = _count_unless_disagreeing(zeros, agreement.disagrees())
+        return Reduced(norm64=None, zeros=zeros, wide=shares.wide, agreement=agreement)
     if wanted.infinite:
         norm = _largest_peak(reduced, device)
     elif wanted.ranged:
@@ -564,8 +586,19 @@ def _reduce_once(
         nan, inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
         norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, norm))
     if agreement is not None:
-        norm = torch.where(agreement.disagrees(), math.nan, norm)
+        disagrees = agreement.disagrees()
+        norm = torch.where(disagrees, math.nan, norm)
+        zeros = _count_unless_disagreeing(zeros, disagrees)
     return Reduced(norm64=norm, zeros=zeros, wide=shares.wide, agreement=agreement)
+
+
+def _count_unless_disagreeing(
+    zeros: torch.Tensor | None, disagrees: torch.Tensor
+) -> torch.Tensor | None:
+    """The zero count, -1 where the ranks' arguments or statistics disagree (no host sync).
+
+    No count is -1: on a GPU, where nothing raises, a count its peers did not sum alike shows."""
+    return None if zeros is None else torch.where(disagrees, -1, zeros)
 
 
 def _finish_in_one_launch(
@@ -728,10 +761,10 @@ def _local_row(
     share in the first column (the 2-norm's by range, :func:`squares_by_range`); the inf-norm's
     ``max |g|`` in this rank's own peak column, every other rank's 0, so the SUM gathers each
     rank's maximum exactly, a NaN too (a MAX reduction may drop one). One width and one operation
-    for every norm type: ranks given different ones issue the same collective (gloo aborted on a
-    size mismatch, or a peer waited), and tell it from the arguments that ride at the row's end
-    (:func:`_reduce_once`). The zero count alone: ``[0, zeros]``."""
-    width = 2 if wanted.p is None else _RANGED_WIDTH + group_size(group)
+    for every norm type and for the zero count alone (``[0, zeros, 0 ..]``): ranks given different
+    ones issue the same collective (gloo aborted on a size mismatch, or a peer waited), and tell it
+    from the arguments that ride at the row's end (:func:`_reduce_once`)."""
+    width = _RANGED_WIDTH + group_size(group)
     if not wanted.infinite:
         if not parts:
             return _float64_zeros(width, device)

@@ -195,10 +195,10 @@ def finish_kernel(
     The rows are float64 ``[middle, zeros, large, small]`` (``NORM``, the 2-norm's squares by range)
     or ``[0, zeros]`` (the zero count alone); with ``TWO_ROWS`` the second row's columns are added
     to the first's (one addition each, as torch's sum of two). ``FLAGS``: ``flags_ptr`` holds the
-    verdict's ``[NaN, inf]`` counts, with ``AGREE`` followed by a clip's arguments summed over
+    verdict's ``[NaN, inf]`` counts, with ``AGREE`` followed by the call's arguments summed over
     ``ranks`` ranks (``[refused, BYTES byte sums, BYTES sums of squares]``, read in a block of
-    ``BYTES_BLOCK``, a power of two: the norm NaN where one was refused or a byte's ``ranks *
-    squares != sums**2``, as ``Agreement.disagrees``). It writes the
+    ``BYTES_BLOCK``, a power of two: the norm NaN and the zero count -1 where one was refused or a
+    byte's ``ranks * squares != sums**2``, as ``Agreement.disagrees``). It writes the
     2-norm (float64; the range columns combined as
     :func:`~pgregistry.grad_stats._reductions._two_norm_from_ranges` does, ``S`` given as the bits
     of its float64 value, then the flags), with ``NARROW`` that norm in float32 and the clip's
@@ -207,10 +207,21 @@ def finish_kernel(
     torch's on a 0-dim float64 tensor: a float64 ``sqrt`` is correctly rounded (PTX has no
     approximate one; ``sqrt_rn`` takes float32 only), divisions by powers of two are exact, so the
     bits are the torch path's (``scripts/gpu_check.py`` compares them on the device)."""
+    if AGREE:
+        refused = tl.load(flags_ptr + 2)
+        byte = tl.arange(0, BYTES_BLOCK)
+        inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, the flag, the statistic
+        sums = tl.load(flags_ptr + 3 + byte, mask=inside, other=0.0).to(tl.int64)
+        squares = tl.load(flags_ptr + 3 + BYTES + byte, mask=inside, other=0.0)
+        squares = squares.to(tl.int64)
+        differ = tl.sum((squares * ranks != sums * sums).to(tl.int32), axis=0)
+        disagree = (refused > 0) | (differ > 0)
     if ZEROS:
         zeros = tl.load(first_row_ptr + 1)
         if TWO_ROWS:
             zeros += tl.load(second_row_ptr + 1)
+        if AGREE:
+            zeros = tl.where(disagree, -1.0, zeros)
         tl.store(zeros_ptr, zeros.to(tl.int64))
     if NORM:
         middle = tl.load(first_row_ptr)
@@ -233,15 +244,8 @@ def finish_kernel(
             nan = tl.load(flags_ptr)
             inf = tl.load(flags_ptr + 1)
             norm = tl.where(nan > 0, float("nan"), tl.where(inf > 0, float("inf"), norm))
-            if AGREE:
-                refused = tl.load(flags_ptr + 2)
-                byte = tl.arange(0, BYTES_BLOCK)
-                inside = byte < BYTES  # max_norm's and norm_type's float64 bytes, then the flag
-                sums = tl.load(flags_ptr + 3 + byte, mask=inside, other=0.0).to(tl.int64)
-                squares = tl.load(flags_ptr + 3 + BYTES + byte, mask=inside, other=0.0)
-                squares = squares.to(tl.int64)
-                differ = tl.sum((squares * ranks != sums * sums).to(tl.int32), axis=0)
-                norm = tl.where((refused > 0) | (differ > 0), float("nan"), norm)
+        if AGREE:
+            norm = tl.where(disagree, float("nan"), norm)
         tl.store(norm_ptr, norm)
         if NARROW:
             tl.store(narrow_ptr, norm.to(tl.float32))

@@ -52,7 +52,7 @@ from pgregistry.grad_stats._arguments import max_norm_error, norm_type_as_float,
 from pgregistry.grad_stats._functional import CheckedPlan, check_plan, reduce_checked
 from pgregistry.grad_stats._lists import check_finite
 from pgregistry.grad_stats._plan import Read
-from pgregistry.grad_stats._reductions import Clipping, Wanted
+from pgregistry.grad_stats._reductions import Clipping, Wanted, zero_count_after
 from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
 
 if TYPE_CHECKING:
@@ -135,7 +135,11 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
         The count, the same on every rank.
 
     Raises:
-        ValueError: as :func:`grad_norm`.
+        ValueError: on every rank, another rank calling another of the job's statistics
+            (:func:`grad_norm`, :func:`clip_grad_norm_`), before any module reduces (``'call'
+            differs``, naming each rank's call); a module's zero count beside a norm on one of its
+            ranks (its reduction's error, named by module, on a GPU too: the count is read on the
+            host); as :func:`grad_norm` otherwise.
 
     Example:
         On every rank of a 4-rank world (as :func:`pgregistry.testing.run_world` starts it), module
@@ -158,9 +162,8 @@ def count_zeros(models: Mapping[str, ParamsLike], modules: MultiModuleCollection
     checked = _agree_on_models(models, modules, owner, {})
 
     def module_zeros(name: str, plan: CheckedPlan) -> torch.Tensor:
-        zeros = reduce_checked(plan, "count_zeros", Wanted.zeros_only())[0].zeros
-        assert zeros is not None
-        return zeros
+        reduced = reduce_checked(plan, "count_zeros", Wanted.zeros_only())[0]
+        return zero_count_after(reduced, owner, on_host=True)  # the job's count is an int
 
     zeros, fault = module_values(checked, module_zeros)
     _, total = reduce_over_modules(list(modules), zeros=zeros, check=(owner, {}, fault))
@@ -522,12 +525,12 @@ def _agree_on_models(
 ) -> dict[str, CheckedPlan]:
     """The kept plan of each module this rank runs, checked, once every rank agreed on no fault.
 
-    Every rank agrees on the modules and options
-    (``pgregistry._runtime.agreement.check_agreement``), and on each rank's fault: what the door of
-    each module's statistics refuses, found by checking its kept plan (:func:`_check_plans`: the
-    unclassified experts are refused when a plan is made, no walk of a model while it is kept), and
-    a tensor in two modules' models. Each module's statistic reads from its plan so checked, not
-    checking it again: one check a plan a call."""
+    Every rank agrees on the call (``owner``: a zero count beside a norm is named as such), the
+    modules and options (``pgregistry._runtime.agreement.check_agreement``), and on each rank's
+    fault: what the door of each module's statistics refuses, found by checking its kept plan
+    (:func:`_check_plans`: the unclassified experts are refused when a plan is made, no walk of a
+    model while it is kept), and a tensor in two modules' models. Each module's statistic reads
+    from its plan so checked, not checking it again: one check a plan a call."""
     if not isinstance(modules, MultiModuleCollection):
         raise TypeError(
             f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
@@ -536,7 +539,7 @@ def _agree_on_models(
     checked: dict[str, CheckedPlan] = {}
     if error is None:
         checked, error = _check_plans(given, modules, owner)
-    fields = {**describe_modules(modules), **options}
+    fields = {"call": owner, **describe_modules(modules), **options}
     check_agreement(owner, fields, combine_faults(extra_error, error), advice=MODULES_ADVICE)
     return checked
 

@@ -15,7 +15,12 @@ import abc
 import torch
 
 from pgregistry.grad_stats._arguments import Given, arguments_of_call
-from pgregistry.grad_stats._reductions import Reduced, Wanted, check_arguments_after
+from pgregistry.grad_stats._reductions import (
+    Reduced,
+    Wanted,
+    check_arguments_after,
+    zero_count_after,
+)
 
 
 class GradStatistics(abc.ABC):
@@ -36,7 +41,7 @@ class GradStatistics(abc.ABC):
 
         This rank joins the reduction with a NaN share before raising its refusal, so its peers
         get a NaN norm instead of waiting in the all-reduce for it."""
-        given = arguments_of_call(norm_type, None, clip=False)
+        given = arguments_of_call(norm_type, None, clip=False, zeros=zeros)
         reduced = self.statistics(Wanted(given.p, zeros=zeros), given)
         check_arguments_after(reduced, given, f"{type(self).__name__}'s grad norm")
         return reduced
@@ -68,11 +73,16 @@ class GradStatistics(abc.ABC):
         Each distinct grad element is counted once: duplicates and shared copies are not.
 
         Returns:
-            The count, a 0-dim int64 tensor on the reduction device.
+            The count, a 0-dim int64 tensor on the reduction device; -1 on a GPU where another
+            rank of a group computes a norm instead (no host sync: nothing is raised there).
+
+        Raises:
+            ValueError: where the grads are on the CPU, on every rank of a group where another
+                rank computes a norm instead (:meth:`_grad_norm`, a clip, :meth:`_norm_and_zeros`:
+                their rows carry other arguments), naming both, after the reduction.
         """
-        zeros = self.statistics(Wanted.zeros_only()).zeros
-        assert zeros is not None
-        return zeros
+        reduced = self.statistics(Wanted.zeros_only())
+        return zero_count_after(reduced, f"{type(self).__name__}.count_zeros")
 
     def _norm_and_zeros(self, norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The norm and the zero count together, from one reduction: one all-reduce per group.

@@ -1,5 +1,7 @@
 """The finishing kernel reads a clip's arguments as the torch path does: a NaN norm, bit for bit, where a rank refused
-its ``max_norm`` or the values differ (``error_if_nonfinite`` too), the norm's own bits where they agree.
+its ``max_norm`` or the values differ (``error_if_nonfinite`` too), the norm's own bits where they agree. So it reads
+the statistic each rank reduces: a zero count alone beside a norm is -1 (and the norm NaN), on the device, where no
+rank raises.
 
 On CUDA the clip's verdict is finished by the kernel (``grad_stats/_fused.py``'s ``finish_rows``), where no rank reads
 it on the host: that NaN is what keeps every rank from scaling. Run here through triton's interpreter on reduced
@@ -20,7 +22,14 @@ from fixtures.interpreter import in_interpreter
 
 from pgregistry.grad_stats import _fused as fused_stats
 from pgregistry.grad_stats import _reductions as reductions
-from pgregistry.grad_stats._arguments import Agreement, agreement_columns
+from pgregistry.grad_stats._arguments import (
+    ZEROS_ALONE,
+    Agreement,
+    Given,
+    Statistic,
+    agreement_columns,
+    arguments_of_call,
+)
 
 S = 2.0**600
 """The range columns' scale (``_RANGE_SCALE``)."""
@@ -65,10 +74,24 @@ def _summed(
     flags = flags or [False] * len(values)
     cpu = torch.device("cpu")
     columns = [
-        agreement_columns(value, p, flag, True, cpu)
+        agreement_columns(value, p, flag, Statistic.NORM, True, cpu)
         for value, p, flag in zip(values, norm_types, flags, strict=True)
     ]
     return torch.stack(columns).sum(0)
+
+
+def _norm(zeros: bool) -> Given:
+    return arguments_of_call(2.0, None, clip=False, zeros=zeros)
+
+
+STATISTICS: dict[str, list[Given]] = {
+    "zeros-alone-agree": [ZEROS_ALONE] * 3,
+    "zeros-alone-beside-a-norm": [ZEROS_ALONE, _norm(False)],
+    "zeros-alone-beside-a-norm-and-zeros": [_norm(True), ZEROS_ALONE, ZEROS_ALONE],
+    "norm-beside-norm-and-zeros": [_norm(False), _norm(True)],
+    "norm-and-zeros-agree": [_norm(True), _norm(True)],
+}
+"""Each rank's arguments and statistic (:class:`Statistic`): a zero count alone carries :data:`ZEROS_ALONE`."""
 
 
 def finished_side_by_side(device: torch.device) -> dict[str, tuple[list[int | None], list[int | None]]]:
@@ -85,13 +108,30 @@ def finished_side_by_side(device: torch.device) -> dict[str, tuple[list[int | No
         )
         norm = reductions._two_norm_from_ranges(row[0], row[2], row[3])
         norm = torch.where(riding[0] > 0, math.nan, torch.where(riding[1] > 0, math.inf, norm))
-        norm = torch.where(Agreement(riding[2:], len(values)).disagrees(), math.nan, norm)
-        torch_path = reductions.Reduced(norm, row[1].round().to(torch.int64))
+        disagrees = Agreement(riding[2:], len(values)).disagrees()
+        norm = torch.where(disagrees, math.nan, norm)
+        torch_path = reductions.Reduced(norm, torch.where(disagrees, -1, row[1].round().to(torch.int64)))
         finished = reductions.Reduced(kernel.norm64, kernel.zeros, False, kernel.narrow, kernel.clip_narrow)
         out[name] = (
             [bits(finished.norm64), bits(finished.zeros), bits(finished.norm), bits(finished.clip_norm)],
             [bits(torch_path.norm64), bits(torch_path.zeros), bits(torch_path.norm), bits(torch_path.clip_norm)],
         )
+    for name, given in STATISTICS.items():
+        row = torch.tensor(ROW, dtype=torch.float64, device=device)
+        summed = torch.stack([arguments.columns(summed=True, device=torch.device("cpu")) for arguments in given])
+        riding = torch.cat([torch.zeros(2, dtype=torch.float64), summed.sum(0)]).to(device)
+        disagrees = Agreement(riding[2:], len(given)).disagrees()
+        count = torch.where(disagrees, -1, row[1].round().to(torch.int64))
+        for norm in (False, True):  # the zero count alone, and beside the norm
+            kernel = fused_stats.finish_rows(
+                [row], riding, norm=norm, zeros=True, narrow=False, scale=S, ranks=len(given)
+            )
+            two_norm = reductions._two_norm_from_ranges(row[0], row[2], row[3])
+            torch_norm = torch.where(disagrees, math.nan, two_norm) if norm else None
+            out[f"{name}-{'with' if norm else 'without'}-the-norm"] = (
+                [bits(kernel.norm64), bits(kernel.zeros)],
+                [bits(torch_norm), bits(count)],
+            )
     return out
 
 
@@ -102,6 +142,19 @@ def _in_interpreter() -> dict[str, tuple[list[int | None], list[int | None]]]:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, Any]:
     return in_interpreter(_in_interpreter, timeout=80.0)
+
+
+@pytest.mark.parametrize("case", list(STATISTICS))
+def test_the_kernel_makes_the_zero_count_minus_one_where_the_statistics_differ(
+    interpreted: dict[str, Any], case: str
+) -> None:
+    """A zero count alone beside a norm, or a norm without its zero count beside one with it: the kernel's count is -1
+    (the norm NaN), as the torch path's; the count itself where every rank reduces the same statistic."""
+    agree = len({arguments.statistic for arguments in STATISTICS[case]}) == 1
+    for norm in ("with", "without"):
+        by_kernel, by_torch = interpreted[f"{case}-{norm}-the-norm"]
+        assert by_kernel == by_torch, (case, norm)
+        assert by_kernel[1] == (3 if agree else -1), (case, norm, by_kernel)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -134,5 +187,5 @@ def test_the_summed_form_tells_equal_values_from_any_others_exactly() -> None:
     assert bool(Agreement(_summed([1.0, 1.0], [1.0, 3.0]), 2).disagrees())  # the norm types differ
     for flags in ([True, False], [False, True, True], [True] + [False] * 999):  # error_if_nonfinite differs
         flagged = Agreement(_summed([base] * len(flags), flags=flags), len(flags))
-        assert bool(flagged.disagrees()) and flagged.differing().tolist() == [False, False, True], flags
+        assert bool(flagged.disagrees()) and flagged.differing().tolist() == [False, False, True, False], flags
     assert not bool(Agreement(_summed([base] * 3, flags=[True] * 3), 3).disagrees())
