@@ -70,6 +70,11 @@ host floor, in nanoseconds a parameter. Each piece must give a steady-state call
 planned grads taken as they are) before and after its timing, or the run stops: a piece that missed, or a plan made
 anew, would time another path than a steady-state call takes.
 
+With ``--stages``, it prints a steady ``grad_norm`` call's host time stage by stage (the arguments, the door and the
+kept plan's check, the read with its launches, the reduction with the finishing launch, the result) beside the whole
+call and the host floor, in microseconds a call: the private steps of the entry point's one way down, the staged
+call's norm held bit for bit to the entry point's and its path to a steady call's.
+
 Usage: ``python benchmarks/grad_stats_model.py --device cuda`` (2 GiB over 2,000 and 20,000 parameters) or
 ``--device cpu`` (20,000 parameters of 64 elements by default: the host cost); ``--dtype bfloat16``; ``--marked``
 (every parameter carries the attributes Megatron's TP layers set, so the kept plan's roles check compares values).
@@ -565,6 +570,80 @@ def host_pieces(model: nn.Module, warmup: int, repeat: int) -> dict[str, float]:
     return {label: statistics.median(runs) / len(params) * 1e9 for label, runs in times.items()}
 
 
+STAGES = ("arguments", "door and the kept plan's check", "grads checked and read (launches)",
+          "reduction and finish (launch)", "the result")
+"""The stages of a steady ``grad_norm(model, pg)`` as its one way down runs them (``--stages``)."""
+
+
+def host_stages(model: nn.Module, device: torch.device, warmup: int, repeat: int) -> dict[str, float]:
+    """Where a steady ``grad_norm`` call's host time goes, stage by stage (``--stages``), in microseconds a call
+    (medians), beside the whole call timed the same way and the host floor, interleaved run by run.
+
+    Each stage is the private step the entry point takes (``_functional._read_reduce_and_clip`` for a norm without
+    a clip: the arguments, the door and the kept plan's check, the plan's read, the reduction, the returned norm),
+    so the stages follow that code: ``RuntimeError`` when the staged call's norm is not the entry point's, bit for
+    bit, or the kept plan was made anew or missed its planned grads (another path than a steady call's). On a GPU
+    the device is synchronised before each run, outside the timing: each figure is host time, the device's work
+    left queued, as a training loop leaves it."""
+    from pgregistry.grad_stats import _functional as functional
+    from pgregistry.grad_stats._arguments import arguments_of_call
+    from pgregistry.grad_stats._reductions import Wanted, check_arguments_after, reduce_shares
+
+    params = list(model.parameters())
+
+    @torch.no_grad()
+    def staged(took: dict[str, float]) -> torch.Tensor:
+        clock = [time.perf_counter()]
+
+        def lap(label: str) -> None:
+            clock.append(time.perf_counter())
+            took[label] = (clock[-1] - clock[-2]) * 1e6
+
+        given = arguments_of_call(2.0, None, clip=False)
+        wanted = Wanted(given.p, zeros=False)
+        lap(STAGES[0])
+        checked = functional._check_params_and_plan(model, OFF, "grad_norm")
+        lap(STAGES[1])
+        read = checked.plan.read(checked.params, wanted)
+        lap(STAGES[2])
+        reduced = reduce_shares(
+            read.shares, reread=lambda again: checked.plan.read(checked.params, again).shares, given=given
+        )
+        check_arguments_after(reduced, given, "grad_norm")
+        lap(STAGES[3])
+        norm = reduced.norm
+        lap(STAGES[4])
+        return norm
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    grad_norm(model, OFF)
+    kept = plans._KEPT[model]
+    layout = kept.plan._layout
+    want = grad_norm(model, OFF)
+    times: dict[str, list[float]] = {label: [] for label in (*STAGES, "whole call", FLOOR_PIECE)}
+    for run_index in range(warmup + repeat):
+        took: dict[str, float] = {}
+        synchronize()
+        got = staged(took)
+        synchronize()
+        start = time.perf_counter()
+        grad_norm(model, OFF)
+        took["whole call"] = (time.perf_counter() - start) * 1e6
+        synchronize()
+        took[FLOOR_PIECE] = host_floor(params, 0, 1) * 1e3
+        if not torch.equal(got, want) or plans._KEPT[model] is not kept or kept.plan._layout is not layout or (
+            layout is not None and layout.misses
+        ):
+            raise RuntimeError("--stages: the staged call did not take a steady call's path or give its norm")
+        if run_index >= warmup:
+            for label, micros in took.items():
+                times[label].append(micros)
+    return {label: statistics.median(runs) for label, runs in times.items()}
+
+
 def print_table(run: dict[str, Any], device: torch.device, dtype: str) -> None:
     floors = [r["host a call"] for r in run["results"].values()]
     print(f"\n{run['count']:,} {dtype} parameters, {run['bytes'] / GiB:.3f} GiB on {device}: copy bandwidth "
@@ -621,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--pieces", action="store_true", help="also print where a call's host time goes, per piece "
                         "of the kept plan's check (ns a parameter)")
+    parser.add_argument("--stages", action="store_true", help="also print a steady grad_norm call's host time stage "
+                        "by stage (arguments, door and plan check, read, reduction, result), us a call")
     parser.add_argument("--marked", action="store_true", help="every parameter carries the attributes Megatron's TP "
                         "layers set (tensor_model_parallel, partition_dim, partition_stride)")
     args = parser.parse_args(argv)
@@ -651,6 +732,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {label:<34} {cost:8.1f} ns {cost / floor:6.2f}x")
             parts = sum(cost for label, cost in costs.items() if label not in (FLOOR_PIECE, WHOLE_PIECE))
             print(f"    {'the pieces above, summed':<34} {parts:8.1f} ns {parts / floor:6.2f}x")
+            del model
+        if args.stages:
+            model = make_model(count, size // itemsize, DTYPES[args.dtype], device, marked=args.marked)
+            stages = host_stages(model, device, args.warmup, args.repeat)
+            print("  host time of a steady grad_norm call, stage by stage (us a call, medians; device synchronised "
+                  "before each run, outside the timing):")
+            for label, micros in stages.items():
+                print(f"    {label:<34} {micros:9.1f} us {micros * 1e3 / count:8.1f} ns a parameter")
+            parts = sum(stages[label] for label in STAGES)
+            print(f"    {'the stages above, summed':<34} {parts:9.1f} us")
             del model
         problems += result["problems"]
         runs.append(result)

@@ -28,7 +28,7 @@ perf "optimizer_step_$card.txt" "$py" benchmarks/optimizer_step.py --device cuda
 perf "grad_stats_$card.txt" "$py" benchmarks/grad_stats.py --device cuda --dtype float32 --configs 1024x8
 perf "grad_stats_bf16_$card.txt" "$py" benchmarks/grad_stats.py --device cuda --dtype bfloat16 --repeat 10 --configs 1024x32
 perf "grad_stats_mixed_$card.txt" "$py" benchmarks/grad_stats.py --device cuda --dtype mixed --repeat 10
-perf "grad_stats_model_$card.txt" "$py" benchmarks/grad_stats_model.py --device cuda
+perf "grad_stats_model_$card.txt" "$py" benchmarks/grad_stats_model.py --device cuda --pieces --stages
 perf "grad_stats_model_bf16_$card.txt" "$py" benchmarks/grad_stats_model.py --device cuda --dtype bfloat16 --repeat 10
 perf "dtensor_grad_norm_$card.txt" bash -c \
     "'$py' benchmarks/dtensor_grad_norm.py && '$py' benchmarks/dtensor_grad_norm.py --tensors 20000"
