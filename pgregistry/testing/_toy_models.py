@@ -28,6 +28,7 @@ gradients (:func:`full_grads`) are drawn from one ``torch.Generator`` with one s
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,8 @@ __all__ = [
     "EXPERTS",
     "EXPERT_SHARED",
     "GRADS_SEED",
+    "GradKind",
+    "ParamKind",
     "ZEROED",
     "Shard",
     "Spec",
@@ -63,8 +66,28 @@ __all__ = [
 
 HIDDEN, FFN, VOCAB, EXPERTS, RANK, LAYERS = 8, 16, 16, 8, 2, 2
 
-# How a parameter is sharded: TP split dim (None: replicated across TP), GTP-sharded, expert kind.
-DENSE, EXPERT, EXPERT_SHARED = "dense", "expert", "expert_shared"
+
+class ParamKind(enum.StrEnum):
+    """Whether a parameter is dense, a routed expert's, or a factor shared by all experts.
+
+    How a :class:`Spec` shards over the expert axes (:func:`shards_of`): a routed expert's over EP,
+    then expert TP and expert GTP-remat; a shared factor replicated across EP; a dense one over the
+    dense axes."""
+
+    DENSE = "dense"
+    EXPERT = "expert"
+    EXPERT_SHARED = "expert_shared"
+
+
+DENSE, EXPERT, EXPERT_SHARED = ParamKind.DENSE, ParamKind.EXPERT, ParamKind.EXPERT_SHARED
+
+
+class GradKind(enum.StrEnum):
+    """The gradients :func:`full_grads` draws: all ones, all zeros, or seeded random values."""
+
+    ONES = "ones"
+    ZEROS = "zeros"
+    RANDOM = "random"
 
 
 @dataclass(frozen=True)
@@ -76,7 +99,7 @@ class Spec:
     layer: int | str  # a layer index, or "first" / "last" (pipeline edge stages)
     tp_dim: int | None = None
     gtp: bool = False
-    kind: str = DENSE
+    kind: ParamKind = ParamKind.DENSE
     expert: int | None = None  # global expert index of a routed-expert parameter
 
 
@@ -138,19 +161,19 @@ GRADS_SEED = 20_261_130
 """The one seed of the ``random`` gradients."""
 
 
-def full_grads(kind: str = "random") -> dict[str, torch.Tensor]:
+def full_grads(kind: GradKind | str = GradKind.RANDOM) -> dict[str, torch.Tensor]:
     """Every parameter's unsharded gradient in float64: ``ones``, ``zeros``, or ``random``.
 
     ``random`` has about 30% of the elements zero, the whole of :data:`ZEROED` zero; values are
     float32-representable, so float32 shards of them are exact."""
+    if kind not in set(GradKind):
+        raise ValueError(f"unknown gradient kind {kind!r}: one of {', '.join(GradKind)}")
     shapes = {spec.name: spec.shape for spec in model_specs()}
-    if kind in ("ones", "zeros"):
+    if kind != GradKind.RANDOM:
         return {
-            name: torch.full(shape, float(kind == "ones"), dtype=torch.float64)
+            name: torch.full(shape, float(kind == GradKind.ONES), dtype=torch.float64)
             for name, shape in shapes.items()
         }
-    if kind != "random":
-        raise ValueError(f"unknown gradient kind {kind!r}")
     generator = torch.Generator().manual_seed(GRADS_SEED)
     grads = {}
     for name, shape in shapes.items():
