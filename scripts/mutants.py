@@ -2934,6 +2934,30 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_zero_count_beside_a_norm.py::"
                "test_the_modules_zero_count_beside_their_norm_raises_naming_both_calls_on_every_rank",),
     ),
+    Mutant(
+        name="world-forked-with-the-heap-unfrozen",
+        bug="run_world forks its ranks with the caller's objects left to the ranks' collectors: a full collection "
+        "in each rank copied the caller's whole heap (2.2 s a rank in tests/demo/test_verify.py's worlds)",
+        file="pgregistry/testing/__init__.py",
+        find="            with heap_frozen_while_forking():\n                for rank in range(world_size):",
+        replace="            if True:\n                for rank in range(world_size):",
+        tests=(
+            "tests/core/test_testing_harness.py::"
+            "test_ranks_are_forked_with_the_callers_objects_frozen_and_the_caller_gets_them_back",
+        ),
+    ),
+    Mutant(
+        name="frozen-heap-unfreezes-the-callers-own",
+        bug="the heap frozen while forking is unfrozen whatever the caller froze itself: its frozen objects "
+        "released to the collector by a run_world",
+        file="pgregistry/testing/_frozen_heap.py",
+        find="    if gc.get_freeze_count():\n        yield\n        return\n",
+        replace="",
+        tests=(
+            "tests/core/test_testing_harness.py::"
+            "test_ranks_are_forked_with_the_callers_objects_frozen_and_the_caller_gets_them_back",
+        ),
+    ),
 )
 
 

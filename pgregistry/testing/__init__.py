@@ -27,14 +27,17 @@ traps of local multi-process tests are many and silent:
   ``KeyboardInterrupt``, which re-raised would stop a whole pytest session), is reported as
   :class:`RankFailure` with the same text. The other ranks, which may be blocked in a collective
   with it, are killed after a short grace period;
-* a rank that dies without reporting is named with its exit code or the signal that killed it.
+* a rank that dies without reporting is named with its exit code or the signal that killed it;
+* ranks are forked with the caller's objects frozen (``_frozen_heap``): a full collection in a rank
+  visited every object it inherited, and copied the caller's whole heap, seconds a rank late in a
+  test session.
 
 Functions and results cross the fork/pipe boundary by pickle (results) and by inheritance (the
 function), so a closure or lambda works as ``fn``; results must be picklable.
 
 The package also holds what the harness and the checks on a real world use: the watcher
-(``_world_watcher``), the ``pytest11`` plugin (``_pytest_plugin``) and the toy models ``pgregistry
-verify`` runs (``_toy_models``).
+(``_world_watcher``), the heap frozen while forking (``_frozen_heap``), the ``pytest11`` plugin
+(``_pytest_plugin``) and the toy models ``pgregistry verify`` runs (``_toy_models``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from pgregistry._runtime.integers import positive_int
+from pgregistry.testing._frozen_heap import heap_frozen_while_forking
 from pgregistry.testing._world_watcher import WorldWatcher, end_process_group
 
 __all__ = ["RankFailure", "WorldTimeout", "run_world"]
@@ -185,44 +189,49 @@ def run_world(
     store_dir = tempfile.mkdtemp(prefix="pgregistry-world-")
     sys.stdout.flush()
     sys.stderr.flush()
-    watcher = WorldWatcher(store_dir)
+    # Every process of the world (the watcher, each rank) is forked with this process's objects
+    # frozen: a full collection in a rank would copy every page of the heap it inherits, seconds
+    # a rank late in a test session (pgregistry.testing._frozen_heap).
+    with heap_frozen_while_forking():
+        watcher = WorldWatcher(store_dir)
     children: dict[int, tuple[int, int]] = {}  # rank -> (pid, read fd)
     try:
         # Ranks that reported wait on this pipe until every rank has, so none leaves while a peer
         # may still be exchanging with it; closing the write end releases them all.
         release_read, release_write = os.pipe()
         try:
-            for rank in range(world_size):
-                read_fd, write_fd = os.pipe()
-                # By hand, not multiprocessing. Measured on this project's 2-core machine, loaded:
-                # an 8-rank gloo world starts, joins and ends in 0.20 s forked here, 0.45 s from a
-                # forkserver with torch preloaded (3.2 s for the first world), 25 s spawned (torch
-                # imported by every rank). Nor does get_context("fork").Process serve:
-                # multiprocessing reaps a finished child when the next one starts, so a rank that
-                # died early could no longer be described (_describe_exit's waitid with WNOWAIT) nor
-                # its pid, and the process group it leads, be kept from reuse until
-                # end_process_group kills and reaps it. A fork also lets fn be a closure or a
-                # lambda.
-                pid = os.fork()
-                if pid == 0:  # pragma: no cover - runs in the child, reported through the pipe
-                    os.close(read_fd)
-                    os.close(release_write)
-                    watcher.close_in_child()
-                    _child_main(
-                        rank,
-                        world_size,
-                        store_dir,
-                        backend,
-                        timeout,
-                        write_fd,
-                        release_read,
-                        fn,
-                        args,
-                        kwargs,
-                    )
-                os.close(write_fd)
-                children[rank] = (pid, read_fd)
-                watcher.watch(pid)
+            with heap_frozen_while_forking():
+                for rank in range(world_size):
+                    read_fd, write_fd = os.pipe()
+                    # By hand, not multiprocessing. Measured on this project's 2-core machine,
+                    # loaded: an 8-rank gloo world starts, joins and ends in 0.20 s forked here,
+                    # 0.45 s from a forkserver with torch preloaded (3.2 s for the first world),
+                    # 25 s spawned (torch imported by every rank). Nor does
+                    # get_context("fork").Process serve: multiprocessing reaps a finished child when
+                    # the next one starts, so a rank that died early could no longer be described
+                    # (_describe_exit's waitid with WNOWAIT) nor its pid, and the process group it
+                    # leads, be kept from reuse until end_process_group kills and reaps it. A fork
+                    # also lets fn be a closure or a lambda.
+                    pid = os.fork()
+                    if pid == 0:  # pragma: no cover - runs in the child, reported through the pipe
+                        os.close(read_fd)
+                        os.close(release_write)
+                        watcher.close_in_child()
+                        _child_main(
+                            rank,
+                            world_size,
+                            store_dir,
+                            backend,
+                            timeout,
+                            write_fd,
+                            release_read,
+                            fn,
+                            args,
+                            kwargs,
+                        )
+                    os.close(write_fd)
+                    children[rank] = (pid, read_fd)
+                    watcher.watch(pid)
             return _collect_results(children, timeout, store_dir)
         finally:
             os.close(release_read)

@@ -27,6 +27,8 @@ import torch
 import torch._dynamo  # noqa: F401 - see below
 import torch.distributed as dist
 
+from pgregistry.testing._frozen_heap import heap_frozen_while_forking
+
 # torch.optim's first step imports torch._dynamo (seconds of CPU, 9 s on a loaded 2-core machine): imported here,
 # once, every forked rank inherits it instead of all importing it at once in their first step.
 _PR_SET_PDEATHSIG = 1
@@ -38,16 +40,19 @@ def run_faulty_world(
 ) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, store)`` on each rank; rank -> ``("ok", result)``, ``("raised", (type name, message,
     traceback))`` or ``("died", signal number or exit code)``."""
-    store_pid, port = _store_process(world_size, deadline)
+    # Forked as run_world forks, this process's objects frozen: no child copies its heap in a collection.
+    with heap_frozen_while_forking():
+        store_pid, port = _store_process(world_size, deadline)
     out_dir = tempfile.mkdtemp(prefix="pgregistry-recovery-")
     release_read, release_write = os.pipe()
     pids: dict[int, int] = {}
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            os.close(release_write)
-            _child(rank, world_size, port, collective_timeout, deadline, out_dir, release_read, fn)
-        pids[rank] = pid
+    with heap_frozen_while_forking():
+        for rank in range(world_size):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child
+                os.close(release_write)
+                _child(rank, world_size, port, collective_timeout, deadline, out_dir, release_read, fn)
+            pids[rank] = pid
     os.close(release_read)
     ended: dict[int, int] = {}
     stop = time.monotonic() + deadline
