@@ -2934,6 +2934,17 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/grad_stats/test_zero_count_beside_a_norm.py::"
                "test_the_modules_zero_count_beside_their_norm_raises_naming_both_calls_on_every_rank",),
     ),
+    Mutant(
+        name="checkpoint-partition-dim-read-unchecked",
+        bug="a TP-sharded parameter's partition_dim is taken as given: -1 gathers the right whole but the load "
+        "expects the piece's shape and refuses the rank's own checkpoint; a dim the piece lacks fails in torch's "
+        "IndexError naming no parameter",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="            _partition_dim_of(param, name, owner),\n",
+        replace="            int(param.partition_dim),  # type: ignore[attr-defined]\n",
+        tests=("tests/experts/test_checkpoint_partition_dim.py::"
+               "test_a_negative_partition_dim_round_trips_and_a_dim_the_piece_lacks_is_refused_by_name",),
+    ),
 )
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pgregistry._runtime.integers import as_integer
 from pgregistry._runtime.resolve import normalise_model, normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import (
@@ -228,7 +229,7 @@ def rank_model(
                 "(interleaved shards), which pgregistry.checkpoint does not join"
             )
         sharded[name] = TensorParallelShard(
-            int(param.partition_dim),  # type: ignore[attr-defined]
+            _partition_dim_of(param, name, owner),
             group,
             group_rank(group),
             group_size(group),
@@ -241,6 +242,27 @@ def rank_model(
         resolved_scope,
         tuple(group for group in dict.fromkeys((tp, expt_tp)) if group_size(group) > 1),
     )
+
+
+def _partition_dim_of(param: nn.Parameter, name: str, owner: str) -> int:
+    """The dim ``param``'s TP pieces are joined along, from its ``partition_dim``, 0 or more.
+
+    Set by hand or by Megatron-Core's ``set_tensor_model_parallel_attributes`` (which checks
+    nothing), it may be negative, counted from the end as torch counts dims: a save joined the
+    pieces along ``-1`` while the load, matching no dim, expected the piece's own shape and refused
+    the rank's own checkpoint (``has shape (4, 2) but the checkpoint holds (4, 4)``). A dim the
+    piece lacks, or one that is no integer (``0.5`` was read as 0), is ``ValueError`` naming the
+    parameter, where torch's ``IndexError`` named none."""
+    given = getattr(param, "partition_dim", None)
+    dim, ndim = as_integer(given), max(param.dim(), 1)
+    if dim is None or not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{owner}: parameter {name!r} is TP-sharded (tensor_model_parallel=True) along "
+            f"partition_dim {given!r}, which is no dim of its {param.dim()}-d piece "
+            f"{tuple(param.shape)}: set partition_dim to the dim its TP pieces are cut along, "
+            f"0 to {ndim - 1} (pgregistry.params.mark_tensor_parallel sets and checks it)"
+        )
+    return dim % ndim
 
 
 def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
