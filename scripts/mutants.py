@@ -2945,6 +2945,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_checkpoint_partition_dim.py::"
                "test_a_negative_partition_dim_round_trips_and_a_dim_the_piece_lacks_is_refused_by_name",),
     ),
+    Mutant(
+        name="carry-into-a-stepped-optimizer",
+        bug="carry_optimizer_state(new, old), the arguments swapped, loads the fresh optimizer's empty state into "
+        "the one that stepped: its Adam moments and step count gone without a word",
+        file="pgregistry/recovery.py",
+        find="    _refuse_a_stepped_new(new)\n",
+        replace="",
+        tests=("tests/recovery/test_carry_arguments_swapped.py::"
+               "test_swapped_arguments_are_refused_on_every_rank_and_the_old_state_kept",),
+    ),
 )
 
 
