@@ -2955,6 +2955,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/recovery/test_carry_arguments_swapped.py::"
                "test_swapped_arguments_are_refused_on_every_rank_and_the_old_state_kept",),
     ),
+    Mutant(
+        name="checkpoint-factored-state-saved-from-tp-rank-0",
+        bug="an optimizer state tensor of a TP-sharded parameter not of its shape (Adafactor's row_var, col_var) "
+        "is stored from TP rank 0 as the whole's, and a load gives it to every TP rank",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="            lambda: _refuse_unjoinable_state(_state_by_global_name(optimizer, model), model, owner),\n",
+        replace="            lambda: _state_by_global_name(optimizer, model),\n",
+        tests=("tests/experts/test_checkpoint_factored_state.py::"
+               "test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed",),
+    ),
+    Mutant(
+        name="checkpoint-factored-state-given-whole-to-each-piece",
+        bug="a stored state tensor of a TP-sharded parameter of neither the whole's shape nor 0-d (Adafactor's "
+        "factors saved at TP 1) is given whole to every TP rank's piece on load",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="            subject, _unjoinable_stored(model, state) + param_state_faults(target, by_param)\n",
+        replace="            subject, param_state_faults(target, by_param)\n",
+        tests=("tests/experts/test_checkpoint_factored_state.py::"
+               "test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed",),
+    ),
 )
 
 

@@ -370,21 +370,28 @@ def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[
 
 
 def flat_state(
-    model: RankModel, optimizer: Optimizer | None, *, primary_only: bool
+    model: RankModel, optimizer: Optimizer | None, owner: str, *, primary_only: bool
 ) -> dict[str, Any]:
     """The flat entries both storage back-ends write, TP-sharded ones gathered whole.
 
     The entries are ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>``
     (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
     TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group
-    (collective), in one order on every rank: the model's parameter order, then by state key."""
+    (collective), in one order on every rank: the model's parameter order, then by state key. A
+    state tensor of a TP-sharded parameter that cannot be joined is refused on every rank of the
+    model's collection (:func:`_refuse_unjoinable_state`; ``owner`` names the caller)."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
         if not primary_only or model.writes(name):
             flat[MODEL_PREFIX + name] = whole
     if optimizer is not None:
-        for name, state in _state_by_global_name(optimizer, model):
+        states = run_agreed_step(
+            lambda: _refuse_unjoinable_state(_state_by_global_name(optimizer, model), model, owner),
+            ValueError(f"{owner}: another rank's optimizer state cannot be checkpointed"),
+            model.scope,
+        )
+        for name, state in states:
             for key in sorted(state):
                 value = state[key]
                 if isinstance(value, torch.Tensor):
@@ -395,6 +402,35 @@ def flat_state(
             if not primary_only or model.writes(name):
                 flat[OPTIMIZED_PREFIX + name] = True
     return flat
+
+
+def _refuse_unjoinable_state(
+    states: list[tuple[str, ParamState]], model: RankModel, owner: str
+) -> list[tuple[str, ParamState]]:
+    """``states`` when each TP-sharded parameter's state tensors can be stored whole; else
+    ``ValueError`` naming the first that cannot.
+
+    A state tensor of the piece's shape is gathered whole, and a 0-d one (a step count) is the
+    same on every TP rank; one of another shape (Adafactor's factored ``row_var`` and ``col_var``,
+    shapes ``(rows, 1)`` and ``(1, cols)`` of each rank's piece) has no whole to join it into: TP
+    rank 0's was stored for the whole, and a load gave it to every TP rank, theirs lost without a
+    word."""
+    for name, state in states:
+        if name not in model.sharded:
+            continue
+        piece = tuple(model.params[name].shape)
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != piece:
+                raise ValueError(
+                    f"{owner}: the optimizer state {key!r} of the TP-sharded parameter {name!r} "
+                    f"has shape {tuple(value.shape)}, not its piece's {piece}: pgregistry."
+                    "checkpoint joins state tensors of the parameter's shape over TP, and this "
+                    "one (factored state, as Adafactor's) has no whole to join into. Use an "
+                    "optimizer whose state is elementwise (Adam, SGD), or checkpoint this one with "
+                    "torch.distributed.checkpoint at the same TP layout"
+                )
+    return states
 
 
 def split_optimizer_key(key: str) -> tuple[str, str]:
@@ -459,8 +495,10 @@ def state_by_name(
 
     Raises:
         TypeError: ``model_chunks`` is not a model or a sequence of model chunks.
-        ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, or two
-            parameters of one global name.
+        ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, a
+            ``partition_dim`` that is no dim of its parameter, two parameters of one global name,
+            or (on every rank) an optimizer state tensor of a TP-sharded parameter of neither its
+            shape nor 0-d (Adafactor's factored state: no whole to join it into).
 
     Example:
         On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP
@@ -489,7 +527,7 @@ def state_by_name(
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
     refuse_unequal_pieces(model, "state_by_name")  # before the gathers
-    return _nest_flat_keys(flat_state(model, optimizer, primary_only=primary_only))
+    return _nest_flat_keys(flat_state(model, optimizer, "state_by_name", primary_only=primary_only))
 
 
 def prepare_flat_state_load(
@@ -542,7 +580,9 @@ def prepare_optimizer_load(
             for name, param in model.params.items()
             if state.get(name)
         }
-        refuse_faults(subject, param_state_faults(target, by_param))
+        refuse_faults(
+            subject, _unjoinable_stored(model, state) + param_state_faults(target, by_param)
+        )
         return by_param
 
     elsewhere = ValueError(
@@ -550,3 +590,21 @@ def prepare_optimizer_load(
     )
     by_param = run_agreed_step(check_state_pieces, elsewhere, scope)
     return lambda: target.load_param_state(by_param)
+
+
+def _unjoinable_stored(model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The stored state tensors of TP-sharded parameters that have no piece to cut for this rank.
+
+    One of the whole's shape is cut, a 0-d one (a step count) is given whole; any other (factored
+    state saved at TP 1, shape ``(rows, 1)`` of the whole, or one TP rank's saved before such state
+    was refused) was given whole to every TP rank, a piece's state of another shape."""
+    return [
+        f"the state {key!r} of the TP-sharded parameter {name!r} is stored in shape "
+        f"{tuple(value.shape)}, neither its whole's {model.whole_shape(name)} nor 0-d: no piece of "
+        "it is this rank's (factored state, as Adafactor's, does not reshard over TP)"
+        for name in model.sharded
+        for key, value in sorted(state.get(name, {}).items())
+        if isinstance(value, torch.Tensor)
+        and value.dim()
+        and tuple(value.shape) != model.whole_shape(name)
+    ]

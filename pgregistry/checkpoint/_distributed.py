@@ -82,7 +82,7 @@ def save_distributed(
             ValueError(f"another rank refused the checkpoint directory {directory}"),
             scope,
         )
-        state = flat_state(model, optimizer, primary_only=True)
+        state = flat_state(model, optimizer, "save_distributed", primary_only=True)
         if scope.span is not None:
             state[IDENTITY_KEY] = json.dumps(
                 scope.identity()

@@ -146,7 +146,10 @@ def save_rank_files(
     with name_lost_ranks("save_rank_files", directory, scope):
         model = agree_on_rank_model(model_chunks, "save_rank_files", naming, scope)
         return write_rank_file(
-            directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope
+            directory,
+            _PARAMS_FILE,
+            flat_state(model, optimizer, "save_rank_files", primary_only=True),
+            scope,
         )
 
 
