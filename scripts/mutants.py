@@ -2960,8 +2960,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="an optimizer state tensor of a TP-sharded parameter not of its shape (Adafactor's row_var, col_var) "
         "is stored from TP rank 0 as the whole's, and a load gives it to every TP rank",
         file="pgregistry/checkpoint/_by_name.py",
-        find="            lambda: _refuse_unjoinable_state(_state_by_global_name(optimizer, model), model, owner),\n",
-        replace="            lambda: _state_by_global_name(optimizer, model),\n",
+        find="        _refuse_unjoinable_state(states, model, owner)\n",
+        replace="",
         tests=("tests/experts/test_checkpoint_factored_state.py::"
                "test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed",),
     ),

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pgregistry._runtime.agreement import faulty_ranks, ranks_label
 from pgregistry._runtime.integers import as_integer
 from pgregistry._runtime.resolve import normalise_model, normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
@@ -378,19 +379,17 @@ def flat_state(
     (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
     TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group
     (collective), in one order on every rank: the model's parameter order, then by state key. A
-    state tensor of a TP-sharded parameter that cannot be joined is refused on every rank of the
-    model's collection (:func:`_refuse_unjoinable_state`; ``owner`` names the caller)."""
+    state tensor of a TP-sharded parameter that cannot be joined is refused on every rank of its TP
+    groups, before the state's gathers (:func:`_refuse_unjoinable_state`; ``owner`` names the
+    caller); a save agrees on this call's errors over its ranks."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
         if not primary_only or model.writes(name):
             flat[MODEL_PREFIX + name] = whole
     if optimizer is not None:
-        states = run_agreed_step(
-            lambda: _refuse_unjoinable_state(_state_by_global_name(optimizer, model), model, owner),
-            ValueError(f"{owner}: another rank's optimizer state cannot be checkpointed"),
-            model.scope,
-        )
+        states = _state_by_global_name(optimizer, model)
+        _refuse_unjoinable_state(states, model, owner)
         for name, state in states:
             for key in sorted(state):
                 value = state[key]
@@ -406,31 +405,39 @@ def flat_state(
 
 def _refuse_unjoinable_state(
     states: list[tuple[str, ParamState]], model: RankModel, owner: str
-) -> list[tuple[str, ParamState]]:
-    """``states`` when each TP-sharded parameter's state tensors can be stored whole; else
-    ``ValueError`` naming the first that cannot.
+) -> None:
+    """``ValueError`` on every rank of the model's TP groups when a TP-sharded parameter's state
+    tensor on any of them cannot be stored whole.
 
     A state tensor of the piece's shape is gathered whole, and a 0-d one (a step count) is the
     same on every TP rank; one of another shape (Adafactor's factored ``row_var`` and ``col_var``,
     shapes ``(rows, 1)`` and ``(1, cols)`` of each rank's piece) has no whole to join it into: TP
     rank 0's was stored for the whole, and a load gave it to every TP rank, theirs lost without a
-    word."""
-    for name, state in states:
-        if name not in model.sharded:
-            continue
-        piece = tuple(model.params[name].shape)
-        for key in sorted(state):
-            value = state[key]
-            if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != piece:
-                raise ValueError(
-                    f"{owner}: the optimizer state {key!r} of the TP-sharded parameter {name!r} "
-                    f"has shape {tuple(value.shape)}, not its piece's {piece}: pgregistry."
-                    "checkpoint joins state tensors of the parameter's shape over TP, and this "
-                    "one (factored state, as Adafactor's) has no whole to join into. Use an "
-                    "optimizer whose state is elementwise (Adam, SGD), or checkpoint this one with "
-                    "torch.distributed.checkpoint at the same TP layout"
-                )
-    return states
+    word. One flag all-reduced over the TP groups, whose ranks gather the state next (no collective
+    without TP, where :func:`state_by_name` is local)."""
+    unjoinable = [
+        f"the optimizer state {key!r} of the TP-sharded parameter {name!r} has shape "
+        f"{tuple(state[key].shape)}, not its piece's {tuple(model.params[name].shape)}"
+        for name, state in states
+        if name in model.sharded
+        for key in sorted(state)
+        if isinstance(state[key], torch.Tensor)
+        and state[key].dim()
+        and state[key].shape != model.params[name].shape
+    ]
+    faulty = faulty_ranks(bool(unjoinable), model.tp_groups)
+    if unjoinable:
+        raise ValueError(
+            f"{owner}: {unjoinable[0]}: pgregistry.checkpoint joins state tensors of the "
+            "parameter's shape over TP, and this one (factored state, as Adafactor's) has no whole "
+            "to join into. Use an optimizer whose state is elementwise (Adam, SGD), or checkpoint "
+            "this one with torch.distributed.checkpoint at the same TP layout"
+        )
+    if faulty:
+        raise ValueError(
+            f"{owner}: the optimizer state of a TP-sharded parameter on {ranks_label(faulty)} of "
+            "this rank's TP group has no whole to join into (see its error)"
+        )
 
 
 def split_optimizer_key(key: str) -> tuple[str, str]:

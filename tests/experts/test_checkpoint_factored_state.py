@@ -66,11 +66,15 @@ def _factored(directory: str) -> dict[str, Any]:
         )
         after = list(target[1].state[target[0].weight].values())
         out[f"kept {fmt}"] = len(before) == len(after) and all(map(torch.equal, before, after))
+    replicated = _stepped(tp=1)  # build is collective
+    if torch.distributed.get_rank() == 0:  # without TP state_by_name is local: one rank calls it
+        out["replicated"] = sorted(state_by_name(*replicated)["optimizer"]["weight"])
     return out
 
 
 def test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed(tmp_path: Path) -> None:
-    for rank, out in enumerate(run_world(2, _factored, str(tmp_path), timeout=60.0)):
+    outs = run_world(2, _factored, str(tmp_path), timeout=60.0)
+    for rank, out in enumerate(outs):
         for owner, key in (("state_by_name", "state_by_name"), ("save_rank_files", "save files"),
                            ("save_distributed", "save dcp")):
             assert out[key] == (
@@ -85,3 +89,4 @@ def test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_m
             assert "the state 'col_var' of the TP-sharded parameter 'weight' is stored in shape (1, 4), neither its " \
                 "whole's (4, 4) nor 0-d: no piece of it is this rank's" in out[f"load {fmt}"], (rank, fmt, out)
             assert out[f"kept {fmt}"], (rank, fmt, out)  # a refused load changes nothing
+    assert outs[0]["replicated"] == ["col_var", "row_var", "step"]  # factors of a whole parameter are kept
