@@ -12,20 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from checkpoint_support import LOAD, SAVE
+from fixtures.errors import value_error_of
 from torch import nn
 
 from pgregistry import ParallelLayout, attach, build
-from pgregistry.checkpoint import (
-    load_distributed,
-    load_rank_files,
-    save_distributed,
-    save_rank_files,
-    state_by_name,
-)
+from pgregistry.checkpoint import state_by_name
 from pgregistry.testing import run_world
-
-SAVE = {"dcp": save_distributed, "files": save_rank_files}
-LOAD = {"dcp": load_distributed, "files": load_rank_files}
 
 
 def _stepped(tp: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -44,24 +37,16 @@ def _stepped(tp: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _error_of(call: Any) -> str:
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test reports any
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _factored(directory: str) -> dict[str, Any]:
     stepped = _stepped(tp=2)
-    out: dict[str, Any] = {"state_by_name": _error_of(lambda: state_by_name(*stepped))}
+    out: dict[str, Any] = {"state_by_name": value_error_of(lambda: state_by_name(*stepped))}
     for fmt in SAVE:
-        out[f"save {fmt}"] = _error_of(lambda fmt=fmt: SAVE[fmt](f"{directory}/{fmt}", *stepped))
+        out[f"save {fmt}"] = value_error_of(lambda fmt=fmt: SAVE[fmt](f"{directory}/{fmt}", *stepped))
         out[f"written {fmt}"] = sorted(p.name for p in Path(directory, fmt).glob("*"))
         SAVE[fmt](f"{directory}/{fmt}-tp1", *_stepped(tp=1))  # whole factors, right at TP 1
         target = _stepped(tp=2)
         before = [value.clone() for value in target[1].state[target[0].weight].values()]
-        out[f"load {fmt}"] = _error_of(
+        out[f"load {fmt}"] = value_error_of(
             lambda fmt=fmt, target=target: LOAD[fmt](f"{directory}/{fmt}-tp1", *target)
         )
         after = list(target[1].state[target[0].weight].values())
@@ -78,7 +63,7 @@ def test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_m
         for owner, key in (("state_by_name", "state_by_name"), ("save_rank_files", "save files"),
                            ("save_distributed", "save dcp")):
             assert out[key] == (
-                f"ValueError: {owner}: the optimizer state 'col_var' of the TP-sharded parameter 'weight' has shape "
+                f"{owner}: the optimizer state 'col_var' of the TP-sharded parameter 'weight' has shape "
                 "(1, 4), not its piece's (2, 4): pgregistry.checkpoint joins state tensors of the parameter's shape "
                 "over TP, and this one (factored state, as Adafactor's) has no whole to join into. Use an optimizer "
                 "whose state is elementwise (Adam, SGD), or checkpoint this one with torch.distributed.checkpoint "

@@ -12,20 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from checkpoint_support import LOAD, SAVE
+from fixtures.errors import value_error_of
 from torch import nn
 
 from pgregistry import ParallelLayout, attach, build
-from pgregistry.checkpoint import (
-    load_distributed,
-    load_rank_files,
-    save_distributed,
-    save_rank_files,
-    state_by_name,
-)
+from pgregistry.checkpoint import state_by_name
 from pgregistry.testing import run_world
-
-SAVE = {"dcp": save_distributed, "files": save_rank_files}
-LOAD = {"dcp": load_distributed, "files": load_rank_files}
 
 WHOLE = torch.arange(16.0).reshape(4, 4)
 """The oracle: the whole weight, whose rank ``r`` piece is its ``r``-th half of columns."""
@@ -41,24 +34,18 @@ def _column_parallel(partition_dim: Any, scale: float) -> nn.Module:
     return model
 
 
-def _error_of(call: Any) -> str:
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test reports any
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _round_trips(directory: str) -> dict[str, Any]:
     out: dict[str, Any] = {"stored": state_by_name(_column_parallel(-1, 1.0))["model"]["weight"].tolist()}
     for fmt in SAVE:
         SAVE[fmt](f"{directory}/{fmt}", _column_parallel(-1, 1.0))
         for load_dim in (-1, 1):
             loaded = _column_parallel(load_dim, -1.0)
-            out[f"{fmt} {load_dim}"] = _error_of(lambda fmt=fmt, loaded=loaded: LOAD[fmt](f"{directory}/{fmt}", loaded))
+            out[f"{fmt} {load_dim}"] = value_error_of(
+                lambda fmt=fmt, loaded=loaded: LOAD[fmt](f"{directory}/{fmt}", loaded)
+            )
             out[f"{fmt} {load_dim} weight"] = loaded.weight.tolist()
         for bad in (2, 0.5):
-            out[f"{fmt} bad {bad}"] = _error_of(
+            out[f"{fmt} bad {bad}"] = value_error_of(
                 lambda fmt=fmt, bad=bad: SAVE[fmt](f"{directory}/{fmt}-{bad}", _column_parallel(bad, 1.0))
             )
             out[f"{fmt} bad {bad} written"] = sorted(p.name for p in Path(directory, f"{fmt}-{bad}").glob("*"))
@@ -75,7 +62,7 @@ def test_a_negative_partition_dim_round_trips_and_a_dim_the_piece_lacks_is_refus
             save = "save_rank_files" if fmt == "files" else "save_distributed"
             for bad in (2, 0.5):
                 assert out[f"{fmt} bad {bad}"] == (
-                    f"ValueError: {save}: parameter 'weight' is TP-sharded (tensor_model_parallel=True) along "
+                    f"{save}: parameter 'weight' is TP-sharded (tensor_model_parallel=True) along "
                     f"partition_dim {bad}, which is no dim of its 2-d piece (4, 2): set partition_dim to the dim "
                     "its TP pieces are cut along, 0 to 1 (pgregistry.params.mark_tensor_parallel sets and checks it)"
                 ), (rank, fmt, out)
