@@ -406,8 +406,7 @@ def flat_state(
 def _refuse_unjoinable_state(
     states: list[tuple[str, ParamState]], model: RankModel, owner: str
 ) -> None:
-    """``ValueError`` on every rank of the model's TP groups when a TP-sharded parameter's state
-    tensor on any of them cannot be stored whole.
+    """``ValueError`` on every rank of the TP groups when a TP-sharded state tensor has no whole.
 
     A state tensor of the piece's shape is gathered whole, and a 0-d one (a step count) is the
     same on every TP rank; one of another shape (Adafactor's factored ``row_var`` and ``col_var``,
