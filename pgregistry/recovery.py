@@ -578,7 +578,8 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
         ValueError: a sharded optimizer (its state was cut over the replicas, and the lost replica's
             piece has no copy: reload a checkpoint); an optimizer whose parameters are of lower
             precision than their main grads (carrying their state is not supported: no test holds
-            it; reload a checkpoint).
+            it; reload a checkpoint); ``new`` holding update-rule state on some rank (it has
+            stepped: ``old`` and ``new`` swapped?), on every rank, before anything is carried.
 
     Example::
 
@@ -608,4 +609,39 @@ def carry_optimizer_state(old: ChainedOptimizer, new: ChainedOptimizer) -> None:
                 "of another dtype: carrying the state of such parameters is not "
                 "supported; reload a checkpoint"
             )
+    _refuse_a_stepped_new(new)
     new.load_state_dict(old.state_dict())
+
+
+def _refuse_a_stepped_new(new: ChainedOptimizer) -> None:
+    """``ValueError`` on every rank of ``new``'s instance when ``new`` on any of them has stepped.
+
+    ``new`` is the optimizer just built on the recovered collection: it holds no update-rule state
+    yet. One that does is most often the old optimizer passed as ``new`` (the arguments swapped):
+    its Adam moments and step counts were replaced by the fresh optimizer's empty state, without a
+    word, and training went on from a cold optimizer. One flag all-reduced over
+    ``new.load_groups()``, the groups of the load that follows, so no rank raises while another
+    waits in it."""
+    from pgregistry._runtime.agreement import faulty_ranks, ranks_label
+    from pgregistry.optim._param_state import MAIN_PARAM
+
+    stepped = [
+        child.param_name(param)
+        for child in new.chained_optimizers
+        for param, state in child.param_state().items()
+        if any(key != MAIN_PARAM for key in state)
+    ]
+    faulty = faulty_ranks(bool(stepped), new.load_groups())
+    if not faulty:
+        return
+    held = (
+        f"holds update-rule state (of {stepped[0]!r}, ...): it has stepped"
+        if stepped
+        else f"holds update-rule state on {ranks_label(faulty)}"
+    )
+    raise ValueError(
+        f"carry_optimizer_state: new {held}, and carrying would overwrite that state with old's. "
+        "new must be the optimizer build_optimizer has just built on Recovered.collection, old "
+        "the one that stepped before the recovery: call carry_optimizer_state(old, new) with the "
+        "arguments in that order; nothing was carried"
+    )

@@ -2958,6 +2958,47 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_ranks_are_forked_with_the_callers_objects_frozen_and_the_caller_gets_them_back",
         ),
     ),
+    Mutant(
+        name="checkpoint-partition-dim-read-unchecked",
+        bug="a TP-sharded parameter's partition_dim is taken as given: -1 gathers the right whole but the load "
+        "expects the piece's shape and refuses the rank's own checkpoint; a dim the piece lacks fails in torch's "
+        "IndexError naming no parameter",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="            _partition_dim_of(param, name, owner),\n",
+        replace="            int(param.partition_dim),  # type: ignore[attr-defined]\n",
+        tests=("tests/experts/test_checkpoint_partition_dim.py::"
+               "test_a_negative_partition_dim_round_trips_and_a_dim_the_piece_lacks_is_refused_by_name",),
+    ),
+    Mutant(
+        name="carry-into-a-stepped-optimizer",
+        bug="carry_optimizer_state(new, old), the arguments swapped, loads the fresh optimizer's empty state into "
+        "the one that stepped: its Adam moments and step count gone without a word",
+        file="pgregistry/recovery.py",
+        find="    _refuse_a_stepped_new(new)\n",
+        replace="",
+        tests=("tests/recovery/test_carry_arguments_swapped.py::"
+               "test_swapped_arguments_are_refused_on_every_rank_and_the_old_state_kept",),
+    ),
+    Mutant(
+        name="checkpoint-factored-state-saved-from-tp-rank-0",
+        bug="an optimizer state tensor of a TP-sharded parameter not of its shape (Adafactor's row_var, col_var) "
+        "is stored from TP rank 0 as the whole's, and a load gives it to every TP rank",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="        _refuse_unjoinable_state(states, model, owner)\n",
+        replace="",
+        tests=("tests/experts/test_checkpoint_factored_state.py::"
+               "test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed",),
+    ),
+    Mutant(
+        name="checkpoint-factored-state-given-whole-to-each-piece",
+        bug="a stored state tensor of a TP-sharded parameter of neither the whole's shape nor 0-d (Adafactor's "
+        "factors saved at TP 1) is given whole to every TP rank's piece on load",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="            subject, _unjoinable_stored(model, state) + param_state_faults(target, by_param)\n",
+        replace="            subject, param_state_faults(target, by_param)\n",
+        tests=("tests/experts/test_checkpoint_factored_state.py::"
+               "test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed",),
+    ),
 )
 
 

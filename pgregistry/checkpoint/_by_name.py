@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pgregistry._runtime.agreement import faulty_ranks, ranks_label
+from pgregistry._runtime.integers import as_integer
 from pgregistry._runtime.resolve import normalise_model, normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import (
@@ -228,7 +230,7 @@ def rank_model(
                 "(interleaved shards), which pgregistry.checkpoint does not join"
             )
         sharded[name] = TensorParallelShard(
-            int(param.partition_dim),  # type: ignore[attr-defined]
+            _partition_dim_of(param, name, owner),
             group,
             group_rank(group),
             group_size(group),
@@ -241,6 +243,27 @@ def rank_model(
         resolved_scope,
         tuple(group for group in dict.fromkeys((tp, expt_tp)) if group_size(group) > 1),
     )
+
+
+def _partition_dim_of(param: nn.Parameter, name: str, owner: str) -> int:
+    """The dim ``param``'s TP pieces are joined along, from its ``partition_dim``, 0 or more.
+
+    Set by hand or by Megatron-Core's ``set_tensor_model_parallel_attributes`` (which checks
+    nothing), it may be negative, counted from the end as torch counts dims: a save joined the
+    pieces along ``-1`` while the load, matching no dim, expected the piece's own shape and refused
+    the rank's own checkpoint (``has shape (4, 2) but the checkpoint holds (4, 4)``). A dim the
+    piece lacks, or one that is no integer (``0.5`` was read as 0), is ``ValueError`` naming the
+    parameter, where torch's ``IndexError`` named none."""
+    given = getattr(param, "partition_dim", None)
+    dim, ndim = as_integer(given), max(param.dim(), 1)
+    if dim is None or not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{owner}: parameter {name!r} is TP-sharded (tensor_model_parallel=True) along "
+            f"partition_dim {given!r}, which is no dim of its {param.dim()}-d piece "
+            f"{tuple(param.shape)}: set partition_dim to the dim its TP pieces are cut along, "
+            f"0 to {ndim - 1} (pgregistry.params.mark_tensor_parallel sets and checks it)"
+        )
+    return dim % ndim
 
 
 def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
@@ -348,21 +371,26 @@ def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[
 
 
 def flat_state(
-    model: RankModel, optimizer: Optimizer | None, *, primary_only: bool
+    model: RankModel, optimizer: Optimizer | None, owner: str, *, primary_only: bool
 ) -> dict[str, Any]:
     """The flat entries both storage back-ends write, TP-sharded ones gathered whole.
 
     The entries are ``model/<name>``, ``optimized/<name>`` and ``optimizer/<name>/<state key>``
     (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
     TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group
-    (collective), in one order on every rank: the model's parameter order, then by state key."""
+    (collective), in one order on every rank: the model's parameter order, then by state key. A
+    state tensor of a TP-sharded parameter that cannot be joined is refused on every rank of its TP
+    groups, before the state's gathers (:func:`_refuse_unjoinable_state`; ``owner`` names the
+    caller); a save agrees on this call's errors over its ranks."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
         if not primary_only or model.writes(name):
             flat[MODEL_PREFIX + name] = whole
     if optimizer is not None:
-        for name, state in _state_by_global_name(optimizer, model):
+        states = _state_by_global_name(optimizer, model)
+        _refuse_unjoinable_state(states, model, owner)
+        for name, state in states:
             for key in sorted(state):
                 value = state[key]
                 if isinstance(value, torch.Tensor):
@@ -373,6 +401,42 @@ def flat_state(
             if not primary_only or model.writes(name):
                 flat[OPTIMIZED_PREFIX + name] = True
     return flat
+
+
+def _refuse_unjoinable_state(
+    states: list[tuple[str, ParamState]], model: RankModel, owner: str
+) -> None:
+    """``ValueError`` on every rank of the TP groups when a TP-sharded state tensor has no whole.
+
+    A state tensor of the piece's shape is gathered whole, and a 0-d one (a step count) is the
+    same on every TP rank; one of another shape (Adafactor's factored ``row_var`` and ``col_var``,
+    shapes ``(rows, 1)`` and ``(1, cols)`` of each rank's piece) has no whole to join it into: TP
+    rank 0's was stored for the whole, and a load gave it to every TP rank, theirs lost without a
+    word. One flag all-reduced over the TP groups, whose ranks gather the state next (no collective
+    without TP, where :func:`state_by_name` is local)."""
+    unjoinable = [
+        f"the optimizer state {key!r} of the TP-sharded parameter {name!r} has shape "
+        f"{tuple(state[key].shape)}, not its piece's {tuple(model.params[name].shape)}"
+        for name, state in states
+        if name in model.sharded
+        for key in sorted(state)
+        if isinstance(state[key], torch.Tensor)
+        and state[key].dim()
+        and state[key].shape != model.params[name].shape
+    ]
+    faulty = faulty_ranks(bool(unjoinable), model.tp_groups)
+    if unjoinable:
+        raise ValueError(
+            f"{owner}: {unjoinable[0]}: pgregistry.checkpoint joins state tensors of the "
+            "parameter's shape over TP, and this one (factored state, as Adafactor's) has no whole "
+            "to join into. Use an optimizer whose state is elementwise (Adam, SGD), or checkpoint "
+            "this one with torch.distributed.checkpoint at the same TP layout"
+        )
+    if faulty:
+        raise ValueError(
+            f"{owner}: the optimizer state of a TP-sharded parameter on {ranks_label(faulty)} of "
+            "this rank's TP group has no whole to join into (see its error)"
+        )
 
 
 def split_optimizer_key(key: str) -> tuple[str, str]:
@@ -437,8 +501,10 @@ def state_by_name(
 
     Raises:
         TypeError: ``model_chunks`` is not a model or a sequence of model chunks.
-        ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, or two
-            parameters of one global name.
+        ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, a
+            ``partition_dim`` that is no dim of its parameter, two parameters of one global name,
+            or (on every rank) an optimizer state tensor of a TP-sharded parameter of neither its
+            shape nor 0-d (Adafactor's factored state: no whole to join it into).
 
     Example:
         On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP
@@ -467,7 +533,7 @@ def state_by_name(
     """
     model = rank_model(model_chunks, "state_by_name", **naming)
     refuse_unequal_pieces(model, "state_by_name")  # before the gathers
-    return _nest_flat_keys(flat_state(model, optimizer, primary_only=primary_only))
+    return _nest_flat_keys(flat_state(model, optimizer, "state_by_name", primary_only=primary_only))
 
 
 def prepare_flat_state_load(
@@ -520,7 +586,9 @@ def prepare_optimizer_load(
             for name, param in model.params.items()
             if state.get(name)
         }
-        refuse_faults(subject, param_state_faults(target, by_param))
+        refuse_faults(
+            subject, _unjoinable_stored(model, state) + param_state_faults(target, by_param)
+        )
         return by_param
 
     elsewhere = ValueError(
@@ -528,3 +596,21 @@ def prepare_optimizer_load(
     )
     by_param = run_agreed_step(check_state_pieces, elsewhere, scope)
     return lambda: target.load_param_state(by_param)
+
+
+def _unjoinable_stored(model: RankModel, state: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The stored state tensors of TP-sharded parameters that have no piece to cut for this rank.
+
+    One of the whole's shape is cut, a 0-d one (a step count) is given whole; any other (factored
+    state saved at TP 1, shape ``(rows, 1)`` of the whole, or one TP rank's saved before such state
+    was refused) was given whole to every TP rank, a piece's state of another shape."""
+    return [
+        f"the state {key!r} of the TP-sharded parameter {name!r} is stored in shape "
+        f"{tuple(value.shape)}, neither its whole's {model.whole_shape(name)} nor 0-d: no piece of "
+        "it is this rank's (factored state, as Adafactor's, does not reshard over TP)"
+        for name in model.sharded
+        for key, value in sorted(state.get(name, {}).items())
+        if isinstance(value, torch.Tensor)
+        and value.dim()
+        and tuple(value.shape) != model.whole_shape(name)
+    ]

@@ -82,7 +82,11 @@ def save_distributed(
             ValueError(f"another rank refused the checkpoint directory {directory}"),
             scope,
         )
-        state = flat_state(model, optimizer, primary_only=True)
+        state = run_agreed_step(
+            lambda: flat_state(model, optimizer, "save_distributed", primary_only=True),
+            ValueError("save_distributed: another rank's state cannot be checkpointed"),
+            scope,
+        )
         if scope.span is not None:
             state[IDENTITY_KEY] = json.dumps(
                 scope.identity()

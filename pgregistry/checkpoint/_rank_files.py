@@ -145,9 +145,12 @@ def save_rank_files(
     scope = checkpoint_scope(model_chunks, naming)
     with name_lost_ranks("save_rank_files", directory, scope):
         model = agree_on_rank_model(model_chunks, "save_rank_files", naming, scope)
-        return write_rank_file(
-            directory, _PARAMS_FILE, flat_state(model, optimizer, primary_only=True), scope
+        content = run_agreed_step(
+            lambda: flat_state(model, optimizer, "save_rank_files", primary_only=True),
+            ValueError("save_rank_files: another rank's state cannot be checkpointed"),
+            scope,
         )
+        return write_rank_file(directory, _PARAMS_FILE, content, scope)
 
 
 def write_rank_file(directory: str | Path, prefix: str, content: Any, scope: Scope) -> Path:

@@ -12,8 +12,14 @@ import torch
 from torch import nn
 
 from pgregistry import ProcessGroupCollection, attach
+from pgregistry.checkpoint import (
+    load_distributed,
+    load_rank_files,
+    save_distributed,
+    save_rank_files,
+)
 
-__all__ = ["MoE", "alone", "filled", "flip_a_byte_of", "snapshot"]
+__all__ = ["LOAD", "SAVE", "MoE", "alone", "filled", "flip_a_byte_of", "snapshot"]
 
 _OFF: dict[str, Any] = dict(
     ep=None, dp_cp=None, expt_dp=None, tp=None, expt_tp=None, gtp_remat=None, expt_gtp_remat=None, pp=None
@@ -60,3 +66,10 @@ def flip_a_byte_of(path: Path, tensor: torch.Tensor) -> None:
     assert where >= 0 and data.find(stored, where + 1) < 0, "the tensor's bytes must occur exactly once in the file"
     data[where + len(stored) // 2] ^= 0x10
     path.write_bytes(bytes(data))
+
+
+SAVE: dict[str, Any] = {"dcp": save_distributed, "files": save_rank_files}
+"""The two storage back-ends' saves, by short name."""
+
+LOAD: dict[str, Any] = {"dcp": load_distributed, "files": load_rank_files}
+"""Their loads."""
