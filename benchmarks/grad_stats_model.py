@@ -723,8 +723,9 @@ def main(argv: list[str] | None = None) -> int:
         run_args = argparse.Namespace(**{**vars(args), "bytes": size})
         result = run(count, run_args, device)
         print_table(result, device, args.dtype)
-        if args.pieces:
+        if args.pieces or args.stages:  # one model for both: neither changes its grads
             model = make_model(count, size // itemsize, DTYPES[args.dtype], device, marked=args.marked)
+        if args.pieces:
             costs = host_pieces(model, args.warmup, args.repeat)
             floor = costs[FLOOR_PIECE]
             print("  host time of a steady-state call, piece by piece (ns a parameter, x the host floor):")
@@ -732,9 +733,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {label:<34} {cost:8.1f} ns {cost / floor:6.2f}x")
             parts = sum(cost for label, cost in costs.items() if label not in (FLOOR_PIECE, WHOLE_PIECE))
             print(f"    {'the pieces above, summed':<34} {parts:8.1f} ns {parts / floor:6.2f}x")
-            del model
         if args.stages:
-            model = make_model(count, size // itemsize, DTYPES[args.dtype], device, marked=args.marked)
             stages = host_stages(model, device, args.warmup, args.repeat)
             print("  host time of a steady grad_norm call, stage by stage (us a call, medians; device synchronised "
                   "before each run, outside the timing):")
@@ -742,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {label:<34} {micros:9.1f} us {micros * 1e3 / count:8.1f} ns a parameter")
             parts = sum(stages[label] for label in STAGES)
             print(f"    {'the stages above, summed':<34} {parts:9.1f} us")
+        if args.pieces or args.stages:
             del model
         problems += result["problems"]
         runs.append(result)
