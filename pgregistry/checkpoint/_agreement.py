@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -40,7 +41,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import faulty_ranks, ranks_label
+from pgregistry._runtime.agreement import faulty_ranks, raise_own_or_peers_fault, ranks_label
 from pgregistry.grad_stats import backend_device
 
 if TYPE_CHECKING:
@@ -192,11 +193,7 @@ def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope
     ``error`` on the ranks that have one and ``elsewhere`` on the others, naming the ranks that have
     one (:func:`elsewhere_named`). Collective: one all-reduce of a flag per rank, so every rank must
     call it, failed or not."""
-    faulty = faulty_ranks(error is not None, scope_groups(scope))
-    if error is not None:
-        raise error
-    if faulty:
-        raise elsewhere_named(elsewhere, faulty)
+    raise_own_or_peers_fault(error, partial(elsewhere_named, elsewhere), scope_groups(scope))
 
 
 def run_agreed_step(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:
