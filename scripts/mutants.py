@@ -1320,8 +1320,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="optimizer-load-skips-the-agreement",
         bug="an optimizer's load_state_dict / load_param_state refuses on the faulty rank alone; its replicas load",
         file="pgregistry/optim/_state_check.py",
-        find="    faulty = faulty_ranks(bool(faults), groups)\n",
-        replace="    faulty: list[int] = []\n",
+        find="partial(_peers_refusal, subject), groups)\n",
+        replace="partial(_peers_refusal, subject), [])\n",
         tests=tuple(
             f"tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::{test}[{load}]"
             for test in ("test_one_rank_refused_means_every_rank_refused_and_unchanged",
