@@ -37,6 +37,7 @@ __all__ = [
     "inner_param_state_faults",
     "inner_state_faults",
     "missing_and_extra",
+    "not_a_dict_of",
     "param_state_key_faults",
     "refuse_agreed",
     "refuse_faults",
@@ -89,6 +90,20 @@ def _peers_refusal(subject: str, faulty: list[int]) -> ValueError:
         f"{subject}: the state given to {ranks_label(faulty)} does not "
         f"fit its optimizer (see {its}); nothing was loaded on any rank"
     )
+
+
+def not_a_dict_of(
+    what: str, value: Any, keys: Sequence[str], *, written_by: str | None = None
+) -> list[str]:
+    """Why ``value`` (``what``) is no mapping holding ``keys``, or nothing when it is one.
+
+    The fault names the layout expected, ``{'key': ..., ...}`` with ``keys`` in their order, and
+    the method ``written_by`` that writes it."""
+    if isinstance(value, Mapping) and set(keys) <= set(value):
+        return []
+    layout = ", ".join(f"{key!r}: ..." for key in keys)
+    output = f" ({written_by} output)" if written_by else ""
+    return [f"{what} is no {{{layout}}} dict{output}"]
 
 
 def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) -> list[str]:
@@ -161,8 +176,8 @@ def inner_state_faults(
     groups of another size, state of no listed parameter, state for some parameters only, and
     elementwise state (a tensor of one dimension or more) of another shape or dtype than its
     tensor's."""
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        return ["its inner state is no {'state': ..., 'param_groups': ...} dict"]
+    if faults := not_a_dict_of("its inner state", state_dict, ("state", "param_groups")):
+        return faults
     sizes = [len(group["params"]) for group in state_dict["param_groups"]]
     if not isinstance(
         inner, torch.optim.Optimizer
