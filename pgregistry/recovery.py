@@ -632,13 +632,13 @@ def _refuse_a_stepped_new(new: ChainedOptimizer) -> None:
         if any(key != MAIN_PARAM for key in state)
     ]
     raise_own_or_peers_fault(
-        _stepped_new_refusal(f"(of {stepped[0]!r}, ...): it has stepped") if stepped else None,
-        lambda faulty: _stepped_new_refusal(f"on {ranks_label(faulty)}"),
+        _refusal_of_a_stepped_new(f"(of {stepped[0]!r}, ...): it has stepped") if stepped else None,
+        lambda faulty: _refusal_of_a_stepped_new(f"on {ranks_label(faulty)}"),
         new.load_groups(),
     )
 
 
-def _stepped_new_refusal(where: str) -> ValueError:
+def _refusal_of_a_stepped_new(where: str) -> ValueError:
     """The refusal of a ``new`` that holds update-rule state ``where`` (its parameter, or ranks)."""
     return ValueError(
         f"carry_optimizer_state: new holds update-rule state {where}, and carrying would overwrite "
