@@ -3011,8 +3011,6 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_rank_files_refuse_another_dtype_on_every_rank_and_cast_with_strict_off",
             "tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::"
             "test_every_rank_names_the_rank_with_the_fault[load_state_dict]",
-            "tests/experts/test_checkpoint_factored_state.py::"
-            "test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed",
             "tests/recovery/test_carry_arguments_swapped.py::"
             "test_swapped_arguments_are_refused_on_every_rank_and_the_old_state_kept",
         ),
