@@ -18,7 +18,12 @@ from pgregistry._runtime.communicators import span_text
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.layout import ParallelLayout
 
-__all__ = ["MODULES_ADVICE", "MultiModuleCollection", "build_modules"]
+__all__ = [
+    "MODULES_ADVICE",
+    "MultiModuleCollection",
+    "build_modules",
+    "require_multi_module_collection",
+]
 
 MODULES_ADVICE = "every rank must pass the same modules, in the same order, and the same options"
 """What a disagreement about a job's modules asks of the ranks."""
@@ -246,6 +251,17 @@ def build_modules(
         for name, layout in layouts.items()
     }
     return MultiModuleCollection(collections, language_model=language_model, disjoint=disjoint)
+
+
+def require_multi_module_collection(modules: object, owner: str) -> None:
+    """``TypeError`` naming ``owner`` unless ``modules`` is a :class:`MultiModuleCollection`.
+
+    The first check of every entry point over the job's modules, before any collective (one
+    module's own collection given instead is the likely slip)."""
+    if not isinstance(modules, MultiModuleCollection):
+        raise TypeError(
+            f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
+        )
 
 
 def _check_name(name: object) -> None:
