@@ -31,7 +31,7 @@ import itertools
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -58,6 +58,7 @@ __all__ = [
     "name_lost_ranks",
     "max_over_ranks",
     "raise_on_every_rank",
+    "refuse_another_scope",
     "scope_groups",
     "scope_of",
     "world_scope",
@@ -98,16 +99,37 @@ class Scope:
     @property
     def label(self) -> str:
         """How messages name the scope."""
-        if self.span is None:
-            return "the world"
-        first, size = self.span
-        return f"module {self.name!r} (ranks {first}-{first + size - 1})"
+        return "the world" if self.span is None else _module_label(self.name, self.span)
 
     def identity(self) -> dict[str, Any]:
         """What a rank file records of the scope saving it (none for the world, as before spans)."""
         if self.span is None:
             return {}
         return {"module": self.name, "span": list(self.span)}
+
+
+def refuse_another_scope(
+    directory: str | Path, saved: Mapping[str, Any], scope: Scope, *, world: str = "the whole world"
+) -> None:
+    """``ValueError`` naming both unless a checkpoint was saved over ``scope``, as the load is.
+
+    ``saved`` is what the checkpoint records of the scope that saved it (:meth:`Scope.identity`:
+    nothing for the world, which ``world`` names); a module's checkpoint loads into the same module
+    on the same ranks."""
+    if saved == scope.identity():
+        return
+    what = _module_label(saved.get("module"), saved["span"]) if "span" in saved else world
+    raise ValueError(
+        f"{directory} holds a checkpoint of {what}, and this load is of "
+        f"{scope.label}: a module's checkpoint loads into the same module "
+        "on the same ranks (save each module into its own directory)"
+    )
+
+
+def _module_label(name: str | None, span: Sequence[int]) -> str:
+    """How messages name module ``name`` over ``span``, ``(first world rank, number of ranks)``."""
+    first, size = span
+    return f"module {name!r} (ranks {first}-{first + size - 1})"
 
 
 def world_scope() -> Scope:
