@@ -59,6 +59,7 @@ __all__ = [
     "max_over_ranks",
     "raise_on_every_rank",
     "refuse_another_scope",
+    "same_on_every_rank",
     "scope_groups",
     "scope_of",
     "world_scope",
@@ -207,6 +208,15 @@ def digest_of(keys: list[str]) -> int:
     Ranks all-reduce its maximum and its negation's to learn whether they all hold the same keys, in
     one collective of two integers."""
     return int(hashlib.sha256("\n".join(keys).encode()).hexdigest()[:15], 16)
+
+
+def same_on_every_rank(keys: list[str], scope: Scope) -> bool:
+    """Whether every rank of ``scope`` holds the same ``keys``, in the same order.
+
+    One all-reduce of two integers: the maximum of :func:`digest_of` and of its negation."""
+    digest = digest_of(keys)
+    largest, negated_smallest = max_over_ranks([digest, -digest], scope)
+    return largest == -negated_smallest
 
 
 def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:

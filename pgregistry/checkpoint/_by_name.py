@@ -32,9 +32,8 @@ from pgregistry._runtime.resolve import normalise_model, normalise_params, resol
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import (
     Scope,
-    digest_of,
-    max_over_ranks,
     run_agreed_step,
+    same_on_every_rank,
     scope_of,
 )
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
@@ -279,10 +278,7 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
             for name, shard in model.sharded.items()
             if shard.group is group
         ]
-        digest = digest_of(pieces)
-        tp_group = Scope(group_rank(group), group_size(group), group)
-        largest, negated_smallest = max_over_ranks([digest, -digest], tp_group)
-        if largest != -negated_smallest:
+        if not same_on_every_rank(pieces, Scope(group_rank(group), group_size(group), group)):
             raise ValueError(
                 f"{owner}: the ranks {dist.get_process_group_ranks(group)} of a TP group hold "
                 "TP-sharded pieces of other shapes (or other TP-sharded parameters); this rank's: "
