@@ -622,7 +622,7 @@ def _refuse_a_stepped_new(new: ChainedOptimizer) -> None:
     word, and training went on from a cold optimizer. One flag all-reduced over
     ``new.load_groups()``, the groups of the load that follows, so no rank raises while another
     waits in it."""
-    from pgregistry._runtime.agreement import faulty_ranks, ranks_label
+    from pgregistry._runtime.agreement import raise_own_or_peers_fault, ranks_label
     from pgregistry.optim._param_state import MAIN_PARAM
 
     stepped = [
@@ -631,17 +631,18 @@ def _refuse_a_stepped_new(new: ChainedOptimizer) -> None:
         for param, state in child.param_state().items()
         if any(key != MAIN_PARAM for key in state)
     ]
-    faulty = faulty_ranks(bool(stepped), new.load_groups())
-    if not faulty:
-        return
-    held = (
-        f"holds update-rule state (of {stepped[0]!r}, ...): it has stepped"
-        if stepped
-        else f"holds update-rule state on {ranks_label(faulty)}"
+    raise_own_or_peers_fault(
+        _refusal_of_a_stepped_new(f"(of {stepped[0]!r}, ...): it has stepped") if stepped else None,
+        lambda faulty: _refusal_of_a_stepped_new(f"on {ranks_label(faulty)}"),
+        new.load_groups(),
     )
-    raise ValueError(
-        f"carry_optimizer_state: new {held}, and carrying would overwrite that state with old's. "
-        "new must be the optimizer build_optimizer has just built on Recovered.collection, old "
-        "the one that stepped before the recovery: call carry_optimizer_state(old, new) with the "
-        "arguments in that order; nothing was carried"
+
+
+def _refusal_of_a_stepped_new(where: str) -> ValueError:
+    """The refusal of a ``new`` that holds update-rule state ``where`` (its parameter, or ranks)."""
+    return ValueError(
+        f"carry_optimizer_state: new holds update-rule state {where}, and carrying would overwrite "
+        "that state with old's. new must be the optimizer build_optimizer has just built on "
+        "Recovered.collection, old the one that stepped before the recovery: call "
+        "carry_optimizer_state(old, new) with the arguments in that order; nothing was carried"
     )

@@ -1320,8 +1320,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="optimizer-load-skips-the-agreement",
         bug="an optimizer's load_state_dict / load_param_state refuses on the faulty rank alone; its replicas load",
         file="pgregistry/optim/_state_check.py",
-        find="    faulty = faulty_ranks(bool(faults), groups)\n",
-        replace="    faulty: list[int] = []\n",
+        find="partial(_peers_refusal, subject), groups)\n",
+        replace="partial(_peers_refusal, subject), [])\n",
         tests=tuple(
             f"tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::{test}[{load}]"
             for test in ("test_one_rank_refused_means_every_rank_refused_and_unchanged",
@@ -2998,6 +2998,22 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="            subject, param_state_faults(target, by_param)\n",
         tests=("tests/experts/test_checkpoint_factored_state.py::"
                "test_factored_state_of_a_tp_sharded_parameter_is_refused_on_every_rank_not_mixed",),
+    ),
+    Mutant(
+        name="refusal-raised-on-the-faulty-ranks-only",
+        bug="the one refusal of checkpoints, optimizer loads and carry_optimizer_state raises on the ranks that "
+        "found the fault only: their peers go on into the next collective and wait there",
+        file="pgregistry/_runtime/agreement.py",
+        find="    if faulty:\n        raise naming_peers(faulty)\n",
+        replace="",
+        tests=(
+            "tests/experts/test_checkpoint_strict_loaders.py::"
+            "test_rank_files_refuse_another_dtype_on_every_rank_and_cast_with_strict_off",
+            "tests/experts/test_one_rank_load_refused_every_rank_unchanged.py::"
+            "test_every_rank_names_the_rank_with_the_fault[load_state_dict]",
+            "tests/recovery/test_carry_arguments_swapped.py::"
+            "test_swapped_arguments_are_refused_on_every_rank_and_the_old_state_kept",
+        ),
     ),
 )
 

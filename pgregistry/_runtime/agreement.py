@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "any_rank_has_each",
     "faulty_ranks",
     "combine_faults",
+    "raise_own_or_peers_fault",
     "ranks_label",
     "require_distributed",
     "check_verdict",
@@ -230,6 +231,25 @@ def faulty_ranks(failed: bool, groups: Sequence[Any]) -> list[int]:
         flags = flags.to(world_device(group))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return [index for index, flag in enumerate(flags.tolist()) if flag]
+
+
+def raise_own_or_peers_fault(
+    own: BaseException | None,
+    naming_peers: Callable[[list[int]], BaseException],
+    groups: Sequence[Any],
+) -> None:
+    """Raise ``own`` where it is set, else ``naming_peers(faulty ranks)`` when another rank has one.
+
+    A refusal that holds on every rank: a rank that raised alone would leave its peers waiting in
+    the next collective. One :func:`faulty_ranks` (a flag per rank, MAX all-reduced over each group)
+    tells every rank which ranks found a fault; those raise their own error, the others one naming
+    them (whose log holds the cause); nothing when no rank found one. Collective: every rank of
+    ``groups`` calls it, with a fault or without."""
+    faulty = faulty_ranks(own is not None, groups)
+    if own is not None:
+        raise own
+    if faulty:
+        raise naming_peers(faulty)
 
 
 def ranks_label(ranks: Sequence[int]) -> str:

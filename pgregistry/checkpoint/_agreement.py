@@ -31,8 +31,9 @@ import itertools
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -40,7 +41,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import faulty_ranks, ranks_label
+from pgregistry._runtime.agreement import faulty_ranks, raise_own_or_peers_fault, ranks_label
 from pgregistry.grad_stats import backend_device
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ __all__ = [
     "name_lost_ranks",
     "max_over_ranks",
     "raise_on_every_rank",
+    "refuse_another_scope",
+    "same_on_every_rank",
     "scope_groups",
     "scope_of",
     "world_scope",
@@ -97,16 +100,37 @@ class Scope:
     @property
     def label(self) -> str:
         """How messages name the scope."""
-        if self.span is None:
-            return "the world"
-        first, size = self.span
-        return f"module {self.name!r} (ranks {first}-{first + size - 1})"
+        return "the world" if self.span is None else _module_label(self.name, self.span)
 
     def identity(self) -> dict[str, Any]:
         """What a rank file records of the scope saving it (none for the world, as before spans)."""
         if self.span is None:
             return {}
         return {"module": self.name, "span": list(self.span)}
+
+
+def refuse_another_scope(
+    directory: str | Path, saved: Mapping[str, Any], scope: Scope, *, world: str = "the whole world"
+) -> None:
+    """``ValueError`` naming both unless a checkpoint was saved over ``scope``, as the load is.
+
+    ``saved`` is what the checkpoint records of the scope that saved it (:meth:`Scope.identity`:
+    nothing for the world, which ``world`` names); a module's checkpoint loads into the same module
+    on the same ranks."""
+    if saved == scope.identity():
+        return
+    what = _module_label(saved.get("module"), saved["span"]) if "span" in saved else world
+    raise ValueError(
+        f"{directory} holds a checkpoint of {what}, and this load is of "
+        f"{scope.label}: a module's checkpoint loads into the same module "
+        "on the same ranks (save each module into its own directory)"
+    )
+
+
+def _module_label(name: str | None, span: Sequence[int]) -> str:
+    """How messages name module ``name`` over ``span``, ``(first world rank, number of ranks)``."""
+    first, size = span
+    return f"module {name!r} (ranks {first}-{first + size - 1})"
 
 
 def world_scope() -> Scope:
@@ -186,17 +210,22 @@ def digest_of(keys: list[str]) -> int:
     return int(hashlib.sha256("\n".join(keys).encode()).hexdigest()[:15], 16)
 
 
+def same_on_every_rank(keys: list[str], scope: Scope) -> bool:
+    """Whether every rank of ``scope`` holds the same ``keys``, in the same order.
+
+    One all-reduce of two integers: the maximum of :func:`digest_of` and of its negation."""
+    digest = digest_of(keys)
+    largest, negated_smallest = max_over_ranks([digest, -digest], scope)
+    return largest == -negated_smallest
+
+
 def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:
     """Return when no rank of ``scope`` has an error, else raise on every rank.
 
     ``error`` on the ranks that have one and ``elsewhere`` on the others, naming the ranks that have
     one (:func:`elsewhere_named`). Collective: one all-reduce of a flag per rank, so every rank must
     call it, failed or not."""
-    faulty = faulty_ranks(error is not None, scope_groups(scope))
-    if error is not None:
-        raise error
-    if faulty:
-        raise elsewhere_named(elsewhere, faulty)
+    raise_own_or_peers_fault(error, partial(elsewhere_named, elsewhere), scope_groups(scope))
 
 
 def run_agreed_step(step: Callable[[], T], elsewhere: Exception, scope: Scope) -> T:

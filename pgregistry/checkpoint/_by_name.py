@@ -26,15 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pgregistry._runtime.agreement import faulty_ranks, ranks_label
+from pgregistry._runtime.agreement import raise_own_or_peers_fault, ranks_label
 from pgregistry._runtime.integers import as_integer
 from pgregistry._runtime.resolve import normalise_model, normalise_params, resolve_pg_collection
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import (
     Scope,
-    digest_of,
-    max_over_ranks,
     run_agreed_step,
+    same_on_every_rank,
     scope_of,
 )
 from pgregistry.collection import GroupName, ProcessGroupCollection, group_rank, group_size
@@ -279,10 +278,7 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
             for name, shard in model.sharded.items()
             if shard.group is group
         ]
-        digest = digest_of(pieces)
-        tp_group = Scope(group_rank(group), group_size(group), group)
-        largest, negated_smallest = max_over_ranks([digest, -digest], tp_group)
-        if largest != -negated_smallest:
+        if not same_on_every_rank(pieces, Scope(group_rank(group), group_size(group), group)):
             raise ValueError(
                 f"{owner}: the ranks {dist.get_process_group_ranks(group)} of a TP group hold "
                 "TP-sharded pieces of other shapes (or other TP-sharded parameters); this rank's: "
@@ -424,19 +420,24 @@ def _refuse_unjoinable_state(
         and state[key].dim()
         and state[key].shape != model.params[name].shape
     ]
-    faulty = faulty_ranks(bool(unjoinable), model.tp_groups)
-    if unjoinable:
-        raise ValueError(
+    own = (
+        ValueError(
             f"{owner}: {unjoinable[0]}: pgregistry.checkpoint joins state tensors of the "
             "parameter's shape over TP, and this one (factored state, as Adafactor's) has no whole "
             "to join into. Use an optimizer whose state is elementwise (Adam, SGD), or checkpoint "
             "this one with torch.distributed.checkpoint at the same TP layout"
         )
-    if faulty:
-        raise ValueError(
+        if unjoinable
+        else None
+    )
+    raise_own_or_peers_fault(
+        own,
+        lambda faulty: ValueError(
             f"{owner}: the optimizer state of a TP-sharded parameter on {ranks_label(faulty)} of "
             "this rank's TP group has no whole to join into (see its error)"
-        )
+        ),
+        model.tp_groups,
+    )
 
 
 def split_optimizer_key(key: str) -> tuple[str, str]:

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pgregistry.checkpoint._agreement import Scope, name_lost_ranks, run_agreed_step
+from pgregistry.checkpoint._agreement import (
+    Scope,
+    name_lost_ranks,
+    refuse_another_scope,
+    run_agreed_step,
+)
 from pgregistry.checkpoint._by_name import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
@@ -211,17 +216,7 @@ def _check_identity(directory: str | Path, scope: Scope, metadata: Any) -> None:
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load(holder, checkpoint_id=str(directory), no_dist=True)
             saved = json.loads(holder[IDENTITY_KEY])
-        if saved != scope.identity():
-            if saved:
-                first, size = saved["span"]
-                what = f"module {saved['module']!r} (ranks {first}-{first + size - 1})"
-            else:
-                what = "the whole world"
-            raise ValueError(
-                f"{directory} holds a checkpoint of {what}, and this load is of "
-                f"{scope.label}: a module's checkpoint loads into the same module "
-                "on the same ranks (save each module into its own directory)"
-            )
+        refuse_another_scope(directory, saved, scope)
 
     run_agreed_step(
         check_saved_identity, ValueError(f"another rank refused the checkpoint {directory}"), scope

@@ -20,10 +20,10 @@ import torch
 
 from pgregistry.checkpoint._agreement import (
     Scope,
-    digest_of,
     max_over_ranks,
     name_lost_ranks,
     raise_on_every_rank,
+    same_on_every_rank,
     scope_of,
 )
 from pgregistry.checkpoint._directory import checkpoint_path
@@ -310,9 +310,7 @@ def _refuse_unheld(directory: str | Path, saved: list[str], held: set[str], scop
     """``ValueError`` on every rank when a saved parameter is held by no rank's optimizer.
 
     After one all-reduce that the ranks read the same names, and one of a flag per name."""
-    digest = digest_of(saved)
-    largest, negated_smallest = max_over_ranks([digest, -digest], scope)
-    if largest != -negated_smallest:
+    if not same_on_every_rank(saved, scope):
         raise ValueError(
             f"ranks read different checkpoints: every rank must load the same one ({directory})"
         )

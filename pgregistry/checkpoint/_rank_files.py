@@ -43,6 +43,7 @@ from pgregistry.checkpoint._agreement import (
     max_over_ranks,
     name_lost_ranks,
     raise_on_every_rank,
+    refuse_another_scope,
     run_agreed_step,
 )
 from pgregistry.checkpoint._by_name import (
@@ -331,18 +332,11 @@ def _refuse_another_scope(directory: Path, payload: dict[str, Any], scope: Scope
 
     Another module, or over another span, than the one loading it (all the files of one save record
     the same)."""
-    saved = {key: payload[key] for key in ("module", "span") if key in payload}
-    if saved == scope.identity():
-        return
-    if "span" in saved:
-        first, size = saved["span"]
-        what = f"module {saved.get('module')!r} (ranks {first}-{first + size - 1})"
-    else:
-        what = f"the whole world ({payload['world_size']} ranks)"
-    raise ValueError(
-        f"{directory} holds a checkpoint of {what}, and this load is of "
-        f"{scope.label}: a module's checkpoint loads into the same module "
-        "on the same ranks (save each module into its own directory)"
+    refuse_another_scope(
+        directory,
+        {key: payload[key] for key in ("module", "span") if key in payload},
+        scope,
+        world=f"the whole world ({payload['world_size']} ranks)",
     )
 
 

@@ -90,29 +90,20 @@ class _Prune(cst.CSTTransformer):
         #: How many ``try`` / ``with`` statements hold the node visited.
         self.guards = 0
 
-    def visit_Try(self, node: cst.Try) -> bool:
+    def enter_guard(self, node: cst.CSTNode) -> bool:
+        """Count a ``try`` (``try``/``except*``) or ``with`` statement entered; visit its body."""
         self.guards += 1
         return True
 
-    def leave_Try(self, original: cst.Try, updated: cst.Try) -> cst.Try:
+    def leave_guard(
+        self, original_node: cst.BaseStatement, updated_node: cst.BaseStatement
+    ) -> cst.BaseStatement:
+        """Count a ``try`` or ``with`` statement left; it stays as the rewrite made it."""
         self.guards -= 1
-        return updated
+        return updated_node
 
-    def visit_TryStar(self, node: cst.TryStar) -> bool:
-        self.guards += 1
-        return True
-
-    def leave_TryStar(self, original: cst.TryStar, updated: cst.TryStar) -> cst.TryStar:
-        self.guards -= 1
-        return updated
-
-    def visit_With(self, node: cst.With) -> bool:
-        self.guards += 1
-        return True
-
-    def leave_With(self, original: cst.With, updated: cst.With) -> cst.With:
-        self.guards -= 1
-        return updated
+    visit_Try = visit_TryStar = visit_With = enter_guard
+    leave_Try = leave_TryStar = leave_With = leave_guard
 
     def keep_failing_imports(self, block: Sequence[cst.CSTNode]) -> None:
         """Mark the imports of ``block`` that stay for their error (outside ``try`` / ``with``)."""

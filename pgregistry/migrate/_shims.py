@@ -51,6 +51,7 @@ DEFAULT_BUILDER = (
     "shim: builds every field from the globals (remove it once every caller passes a collection)"
 )
 _ESCAPES = "shim: its collection is used otherwise than read for the fields it lists"
+_NOT_LITERAL = "shim: the fields it lists are not a literal list"
 
 
 @dataclass(eq=False)
@@ -146,17 +147,17 @@ def _fields_listed(call: cst.Call) -> list[str] | str:
         or call.args[0].star
         or (call.args[0].keyword is not None and call.args[0].keyword.value != "required_pgs")
     ):
-        return "shim: the fields it lists are not a literal list"
+        return _NOT_LITERAL
     value = call.args[0].value
     if not isinstance(value, (cst.List, cst.Tuple)):
-        return "shim: the fields it lists are not a literal list"
+        return _NOT_LITERAL
     names: list[str] = []
     for element in value.elements:
         text = (
             element.value.evaluated_value if isinstance(element.value, cst.SimpleString) else None
         )
         if not isinstance(text, str) or isinstance(element, cst.StarredElement):
-            return "shim: the fields it lists are not a literal list"
+            return _NOT_LITERAL
         names.append(text)
     return names
 

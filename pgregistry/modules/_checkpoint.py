@@ -24,7 +24,11 @@ from pgregistry.checkpoint._directory import checkpoint_path
 from pgregistry.checkpoint._rank_files import prepare_rank_files_load
 from pgregistry.checkpoint._strict import check_strict
 from pgregistry.experts._names import NamingOptions, check_naming_options
-from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
+from pgregistry.modules._collection import (
+    MODULES_ADVICE,
+    MultiModuleCollection,
+    require_multi_module_collection,
+)
 from pgregistry.modules._optimizer import MultiModuleOptimizer
 from pgregistry.modules._stats import check_models, describe_modules
 
@@ -162,10 +166,7 @@ def _agree_on_models(
 
     The naming keywords are each module's; every rank first agrees that no rank was given bad
     input."""
-    if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(
-            f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
-        )
+    require_multi_module_collection(modules, owner)
     given, error = check_models(models, modules, owner)
     problems = [error] if error else []
     for name in modules:

@@ -18,7 +18,12 @@ from pgregistry._runtime.communicators import span_text
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.layout import ParallelLayout
 
-__all__ = ["MODULES_ADVICE", "MultiModuleCollection", "build_modules"]
+__all__ = [
+    "MODULES_ADVICE",
+    "MultiModuleCollection",
+    "build_modules",
+    "require_multi_module_collection",
+]
 
 MODULES_ADVICE = "every rank must pass the same modules, in the same order, and the same options"
 """What a disagreement about a job's modules asks of the ranks."""
@@ -71,11 +76,7 @@ class MultiModuleCollection(Mapping[str, ProcessGroupCollection]):
             raise ValueError("a MultiModuleCollection needs at least one module")
         for name, collection in modules.items():
             _check_module(name, collection)
-        if language_model is not None and language_model not in modules:
-            raise ValueError(
-                f"language_model {language_model!r} is none of the "
-                f"modules {list(modules)}; name one of them or None"
-            )
+        _check_language_model(language_model, list(modules))
         if disjoint:
             _check_disjoint({name: c.layout for name, c in modules.items() if c.layout is not None})
         self._modules = MappingProxyType(dict(modules))
@@ -236,16 +237,32 @@ def build_modules(
             )
     if disjoint:
         _check_disjoint(layouts)
-    if language_model is not None and language_model not in layouts:
-        raise ValueError(
-            f"language_model {language_model!r} is none of the "
-            f"modules {list(layouts)}; name one of them or None"
-        )
+    _check_language_model(language_model, list(layouts))
     collections = {
         name: registry.build(layout, name=name, backend=backend, timeout=timeout)
         for name, layout in layouts.items()
     }
     return MultiModuleCollection(collections, language_model=language_model, disjoint=disjoint)
+
+
+def require_multi_module_collection(modules: object, owner: str) -> None:
+    """``TypeError`` naming ``owner`` unless ``modules`` is a :class:`MultiModuleCollection`.
+
+    The first check of every entry point over the job's modules, before any collective (one
+    module's own collection given instead is the likely slip)."""
+    if not isinstance(modules, MultiModuleCollection):
+        raise TypeError(
+            f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
+        )
+
+
+def _check_language_model(language_model: str | None, names: list[str]) -> None:
+    """``ValueError`` unless ``language_model`` is ``None`` or one of the modules ``names``."""
+    if language_model is not None and language_model not in names:
+        raise ValueError(
+            f"language_model {language_model!r} is none of the "
+            f"modules {names}; name one of them or None"
+        )
 
 
 def _check_name(name: object) -> None:

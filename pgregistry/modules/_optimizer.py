@@ -40,7 +40,11 @@ from pgregistry._runtime.agreement import check_agreement, combine_faults
 from pgregistry.collection import ProcessGroupCollection
 from pgregistry.grad_stats import check_expert_classification
 from pgregistry.grad_stats._arguments import max_norm_error, norm_type_as_float, norm_type_error
-from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
+from pgregistry.modules._collection import (
+    MODULES_ADVICE,
+    MultiModuleCollection,
+    require_multi_module_collection,
+)
 from pgregistry.modules._options import describe_options, options_error
 from pgregistry.modules._stats import (
     check_models,
@@ -109,11 +113,7 @@ class MultiModuleOptimizer:
     def __init__(
         self, optimizers: Mapping[str, ChainedOptimizer], modules: MultiModuleCollection
     ) -> None:
-        if not isinstance(modules, MultiModuleCollection):
-            raise TypeError(
-                "MultiModuleOptimizer takes the job's "
-                f"MultiModuleCollection, got {type(modules).__name__}"
-            )
+        require_multi_module_collection(modules, "MultiModuleOptimizer")
         given, error = check_models(
             optimizers, modules, "MultiModuleOptimizer", _check_built_on_module, noun="optimizer"
         )
@@ -461,10 +461,7 @@ def build_optimizer(
         >>> round(-float(model.weight.detach()[0, 0]), 6) == {"vision": 1e-4, "llm": 3e-4}[name]
         True
     """
-    if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(
-            f"build_optimizer takes the job's MultiModuleCollection, got {type(modules).__name__}"
-        )
+    require_multi_module_collection(modules, "build_optimizer")
     per_module = dict(per_module or {})
 
     def check_model(name: str, model: Any, collection: ProcessGroupCollection) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from pgregistry._runtime.integers import as_integer
-from pgregistry.modules._collection import MultiModuleCollection
+from pgregistry.modules._collection import MultiModuleCollection, require_multi_module_collection
 from pgregistry.rng import RNGStatesTracker, model_parallel_manual_seed, seed_plan
 
 __all__ = ["module_seed", "seed_modules"]
@@ -84,10 +84,7 @@ def seed_modules(
         >>> sorted(trackers)
         ['encoder']
     """
-    if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(
-            f"seed_modules takes the job's MultiModuleCollection, got {type(modules).__name__}"
-        )
+    require_multi_module_collection(modules, "seed_modules")
     seeds = {name: module_seed(seed, name) for name in modules}
     _check_disjoint_streams(modules, seeds, data_parallel_random_init)
     trackers: dict[str, RNGStatesTracker] = {}

@@ -53,7 +53,11 @@ from pgregistry.grad_stats._functional import CheckedPlan, check_plan, reduce_ch
 from pgregistry.grad_stats._lists import check_finite
 from pgregistry.grad_stats._plan import Read
 from pgregistry.grad_stats._reductions import Clipping, Wanted, zero_count_after
-from pgregistry.modules._collection import MODULES_ADVICE, MultiModuleCollection
+from pgregistry.modules._collection import (
+    MODULES_ADVICE,
+    MultiModuleCollection,
+    require_multi_module_collection,
+)
 
 if TYPE_CHECKING:
     from pgregistry.collection import ProcessGroupCollection
@@ -531,10 +535,7 @@ def _agree_on_models(
     (:func:`_check_plans`: the unclassified experts are refused when a plan is made, no walk of a
     model while it is kept), and a tensor in two modules' models. Each module's statistic reads
     from its plan so checked, not checking it again: one check a plan a call."""
-    if not isinstance(modules, MultiModuleCollection):
-        raise TypeError(
-            f"{owner} takes the job's MultiModuleCollection, got {type(modules).__name__}"
-        )
+    require_multi_module_collection(modules, owner)
     given, error = check_models(models, modules, owner)
     checked: dict[str, CheckedPlan] = {}
     if error is None:

@@ -102,13 +102,10 @@ def inner_factory(
     }
     check_options(options)
     refuse_ignored_options(optimizer, options, inner_factory.__kwdefaults__ or {})
-    if optimizer == "adam":
+    if optimizer in ("adam", "adamw"):
+        adam = torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW
         return ElementwiseRule(
-            torch.optim.Adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        )
-    if optimizer == "adamw":
-        return ElementwiseRule(
-            torch.optim.AdamW, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+            adam, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         )
     if optimizer == "sgd":
         return ElementwiseRule(

@@ -34,6 +34,7 @@ from pgregistry.optim._state_check import (
     inner_param_state_faults,
     inner_state_faults,
     missing_and_extra,
+    not_a_dict_of,
     tensor_faults,
 )
 from pgregistry.params import copy_param_roles
@@ -220,11 +221,13 @@ class MixedPrecisionOptimizer(FlatOptimizer):
             inner state's faults (:func:`~pgregistry.optim._state_check.inner_state_faults`);
             empty when it loads.
         """
-        if not isinstance(state_dict, Mapping) or not {"inner", "main_params"} <= set(state_dict):
-            return [
-                "it is no {'inner': ..., 'main_params': ...} "
-                "dict (MixedPrecisionOptimizer.state_dict output)"
-            ]
+        if faults := not_a_dict_of(
+            "it",
+            state_dict,
+            ("inner", "main_params"),
+            written_by="MixedPrecisionOptimizer.state_dict",
+        ):
+            return faults
         saved = state_dict["main_params"]
         names = {self.param_name(p): m for p, m in self._params_and_main_copies()}
         faults = missing_and_extra("main copies", saved, names)

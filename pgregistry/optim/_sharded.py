@@ -39,6 +39,7 @@ from pgregistry.optim._state_check import (
     inner_param_state_faults,
     inner_state_faults,
     missing_and_extra,
+    not_a_dict_of,
     tensor_faults,
 )
 from pgregistry.params import copy_param_roles
@@ -287,11 +288,10 @@ class ShardedOptimizer(FlatOptimizer):
             shape or dtype, and the inner state's faults
             (:func:`~pgregistry.optim._state_check.inner_state_faults`); empty when it loads.
         """
-        if not isinstance(state_dict, Mapping) or not {"shards", "param_groups"} <= set(state_dict):
-            return [
-                "it is no {'shards': ..., 'param_groups': ...} "
-                "dict (ShardedOptimizer.state_dict output)"
-            ]
+        if faults := not_a_dict_of(
+            "it", state_dict, ("shards", "param_groups"), written_by="ShardedOptimizer.state_dict"
+        ):
+            return faults
         shards = state_dict["shards"]
         names = [self.param_name(piece.param) for piece in self._pieces]
         faults = missing_and_extra("pieces", shards, names)  # another layout

@@ -20,12 +20,13 @@ all-gather never waits for a rank that refused. The same holds for a load of who
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
 import torch.distributed as dist
 
-from pgregistry._runtime.agreement import faulty_ranks, ranks_label
+from pgregistry._runtime.agreement import raise_own_or_peers_fault, ranks_label
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -36,6 +37,7 @@ __all__ = [
     "inner_param_state_faults",
     "inner_state_faults",
     "missing_and_extra",
+    "not_a_dict_of",
     "param_state_key_faults",
     "refuse_agreed",
     "refuse_faults",
@@ -51,15 +53,9 @@ def refuse_faults(subject: str, faults: Sequence[str]) -> None:
 
     ``subject`` is the method refusing. In a distributed world the message names this rank, which
     the other ranks' refusals name too (:func:`refuse_agreed`); nothing when there are no faults."""
-    if not faults:
-        return
-    shown = "; ".join(faults[:_SHOWN]) + ("; ..." if len(faults) > _SHOWN else "")
-    where = f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
-    raise ValueError(
-        f"{subject}{where}: the state given does not fit this optimizer "
-        f"({len(faults)} fault(s): {shown}); nothing was loaded (load state "
-        "saved by an optimizer over the same parameters, dtypes and layout)"
-    )
+    refusal = _refusal_of(subject, faults)
+    if refusal is not None:
+        raise refusal
 
 
 def refuse_agreed(
@@ -71,14 +67,43 @@ def refuse_agreed(
     that is off; :func:`~pgregistry._runtime.agreement.faulty_ranks`), then the ranks with
     ``faults`` raise them, naming themselves, and the others raise naming those ranks; nothing when
     no rank has any. Collective: every rank of ``groups`` calls it, before any of them loads."""
-    faulty = faulty_ranks(bool(faults), groups)
-    refuse_faults(subject, faults)
-    if faulty:
-        its = "its error" if len(faulty) == 1 else "their errors"
-        raise ValueError(
-            f"{subject}: the state given to {ranks_label(faulty)} does not "
-            f"fit its optimizer (see {its}); nothing was loaded on any rank"
-        )
+    raise_own_or_peers_fault(_refusal_of(subject, faults), partial(_peers_refusal, subject), groups)
+
+
+def _refusal_of(subject: str, faults: Sequence[str]) -> ValueError | None:
+    """The error :func:`refuse_faults` raises for ``faults``, naming this rank; ``None`` if none."""
+    if not faults:
+        return None
+    shown = "; ".join(faults[:_SHOWN]) + ("; ..." if len(faults) > _SHOWN else "")
+    where = f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
+    return ValueError(
+        f"{subject}{where}: the state given does not fit this optimizer "
+        f"({len(faults)} fault(s): {shown}); nothing was loaded (load state "
+        "saved by an optimizer over the same parameters, dtypes and layout)"
+    )
+
+
+def _peers_refusal(subject: str, faulty: list[int]) -> ValueError:
+    """The refusal of a rank whose state fits, naming the ranks ``faulty`` whose state did not."""
+    its = "its error" if len(faulty) == 1 else "their errors"
+    return ValueError(
+        f"{subject}: the state given to {ranks_label(faulty)} does not "
+        f"fit its optimizer (see {its}); nothing was loaded on any rank"
+    )
+
+
+def not_a_dict_of(
+    what: str, value: Any, keys: Sequence[str], *, written_by: str | None = None
+) -> list[str]:
+    """Why ``value`` (``what``) is no mapping holding ``keys``, or nothing when it is one.
+
+    The fault names the layout expected, ``{'key': ..., ...}`` with ``keys`` in their order, and
+    the method ``written_by`` that writes it."""
+    if isinstance(value, Mapping) and set(keys) <= set(value):
+        return []
+    layout = ", ".join(f"{key!r}: ..." for key in keys)
+    output = f" ({written_by} output)" if written_by else ""
+    return [f"{what} is no {{{layout}}} dict{output}"]
 
 
 def missing_and_extra(what: str, saved: Iterable[str], expected: Iterable[str]) -> list[str]:
@@ -151,8 +176,8 @@ def inner_state_faults(
     groups of another size, state of no listed parameter, state for some parameters only, and
     elementwise state (a tensor of one dimension or more) of another shape or dtype than its
     tensor's."""
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        return ["its inner state is no {'state': ..., 'param_groups': ...} dict"]
+    if faults := not_a_dict_of("its inner state", state_dict, ("state", "param_groups")):
+        return faults
     sizes = [len(group["params"]) for group in state_dict["param_groups"]]
     if not isinstance(
         inner, torch.optim.Optimizer
