@@ -31,7 +31,12 @@ weak reference gives while none of them died (each reference's callback notes it
 keeps no grad alive), compared by identity (no int made a grad), and each grad's address. The same
 object has the same type, and at the same address the same storage; a grad resized or
 restrided in place at its address (``resize_``, ``as_strided_``) is the one change this does not
-see.
+see. Where every kind is read by the one-read kernel in full and the call wants only what the kernel
+gives (the 2-norm, the zero count), the compiled check still checks every grad but lists only the
+pieces the launches read (each kind's first and base piece, :func:`_launch_positions`), ``None`` at
+the others' positions: making each grad's Python reference into the list was most of that pass
+(issue 38). A call that reads through torch (other norms, the exact norm's second read) gets every
+piece.
 
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification
 itself depends on: the collection, the parameter set (the modules' child and parameter dictionaries
