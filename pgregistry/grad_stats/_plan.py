@@ -285,7 +285,7 @@ class _Planned:
             kept[list(needed)] = True
         return cls(references, take_none, addresses, deaths, positions, checks, rows, kept)
 
-    def kept_for(self, wanted: Wanted) -> torch.Tensor | None:
+    def mask_for(self, wanted: Wanted) -> torch.Tensor | None:
         """:attr:`kept` where the reads ``wanted`` asks for are the kernel's alone, else None."""
         return self.kept if _reads_by_kernel_alone(wanted) else None
 
@@ -302,7 +302,7 @@ class _Planned:
         (:attr:`rows`): deaths first, as :meth:`pieces_of` does, since while none is noted every
         planned grad lives, so its tensor's address names it alone and a grad at that address is
         the planned object; then each grad, read as autograd holds it, compared with its row. With
-        ``kept`` (:meth:`kept_for`), every grad is checked alike but only the kept pieces are in
+        ``kept`` (:meth:`mask_for`), every grad is checked alike but only the kept pieces are in
         the list, ``None`` at the others' positions: making each grad's Python reference and
         appending it was most of the pass. Else :meth:`pieces_of` on the grads read here, every
         piece."""
@@ -457,7 +457,7 @@ class Plan:
         if layout is not None:
             planned_for = layout.planned_for
             if planned_for is not None:
-                kept = planned_for.kept_for(wanted)
+                kept = planned_for.mask_for(wanted)
                 planned, grads = planned_for.pieces_from(params, layout.take_plain, kept)
                 if planned is not None:  # the grads the reads were planned for, where they were
                     layout.misses = 0
@@ -830,8 +830,8 @@ def _launch_positions(layout: _Layout, count: int) -> list[int] | None:
     the kernel in full, only each kind's first and base piece (:meth:`_Kind.launch_positions`) and
     the first piece (the reduction's device,
     :func:`~pgregistry.grad_stats._devices.reduction_device`); ``None`` where some piece is read by
-    torch or the host, or there is none.
-    Made with the record of the planned grads, whose every remaking of the kinds drops
+    torch or the host, or there is none. Made with the record of the planned grads
+    (:meth:`_Planned.of`), which is dropped whenever the kinds or their launches are made again
     (:attr:`_Layout.planned_for`): the positions are those of the current kinds."""
     kinds = [
         *chain.from_iterable(kinds for _, kinds in layout.kinds),
