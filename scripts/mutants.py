@@ -3015,6 +3015,22 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_swapped_arguments_are_refused_on_every_rank_and_the_old_state_kept",
         ),
     ),
+    Mutant(
+        name="kernel-only-read-drops-the-launch-base",
+        bug="a steady call read by the one-read kernel alone is handed each kind's first piece but not its launch's "
+        "base, from which the kernel addresses every piece (None there: issue 38's sparse list of pieces)",
+        file="pgregistry/grad_stats/_plan.py",
+        find="        return self.positions[0], self.positions[self.plan.launch.base]\n",
+        replace="        return self.positions[0], self.positions[0]\n",
+        tests=(
+            "tests/grad_stats/test_kernel_only_steady_reads.py::"
+            "test_a_kernel_only_steady_read_gives_the_oracles_answers[norm]",
+            "tests/grad_stats/test_kernel_only_steady_reads.py::"
+            "test_a_kernel_only_steady_read_gives_the_oracles_answers[zeros]",
+            "tests/grad_stats/test_kernel_only_steady_reads.py::"
+            "test_a_kernel_only_steady_read_gives_the_oracles_answers[clip-that-scales]",
+        ),
+    ),
 )
 
 

@@ -220,6 +220,11 @@ def _require_right_answers(module: ModuleType) -> None:
     grad = param.grad = torch.ones(2)
     planned = torch.tensor([[grad._cdata, grad.data_ptr()]], dtype=torch.int64)
     moved = torch.tensor([[grad._cdata, grad.data_ptr() + 4]], dtype=torch.int64)
+    other = torch.nn.Parameter(torch.zeros(3))
+    other_grad = other.grad = torch.ones(3)
+    both = torch.tensor([*planned.tolist(), [other_grad._cdata, other_grad.data_ptr()]])
+    second_moved = torch.tensor([*planned.tolist(), [other_grad._cdata, 8]])
+    first_kept = torch.tensor([True, False])
     held = {"a": param}
     end = object()
     answers = {
@@ -227,6 +232,13 @@ def _require_right_answers(module: ModuleType) -> None:
             module.planned_pieces([param], planned), [grad]
         ),
         "planned_pieces (a grad moved)": module.planned_pieces([param], moved) is None,
+        "planned_pieces (the first kept)": _same_list(
+            module.planned_pieces([param, other], both, first_kept), [grad, None]
+        ),
+        "planned_pieces (the first kept, the second moved)": module.planned_pieces(
+            [param, other], second_moved, first_kept
+        )
+        is None,
         "same_holders (the same)": module.same_holders([{}], [held], [param, end]),
         "same_holders (one more)": not module.same_holders([{}], [held], [end]),
         "same_roles (the same)": module.same_roles([{}], [{}], [[{"k": 1}]], ("k",), [[1]]),

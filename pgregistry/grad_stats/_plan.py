@@ -31,7 +31,12 @@ weak reference gives while none of them died (each reference's callback notes it
 keeps no grad alive), compared by identity (no int made a grad), and each grad's address. The same
 object has the same type, and at the same address the same storage; a grad resized or
 restrided in place at its address (``resize_``, ``as_strided_``) is the one change this does not
-see.
+see. Where every kind is read by the one-read kernel in full and the call wants only what the kernel
+gives (the 2-norm, the zero count), the compiled check still checks every grad but lists only the
+pieces the launches read (each kind's first and base piece, :func:`_launch_positions`), ``None`` at
+the others' positions: making each grad's Python reference into the list was most of that pass
+(issue 38). A call that reads through torch (other norms, the exact norm's second read) gets every
+piece.
 
 :class:`Kept` holds one plan per model (or per list of tensors) and checks what the classification
 itself depends on: the collection, the parameter set (the modules' child and parameter dictionaries
@@ -207,6 +212,22 @@ class _Kind:
 
     take: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
     plan: KindPlan
+    positions: list[int]
+    """Its pieces' positions among the pieces, in its order (what :attr:`take` takes)."""
+
+    @property
+    def read_by_kernel_alone(self) -> bool:
+        """Whether the kernel reads every piece of the kind: no piece left to torch or the host."""
+        return bool(self.plan.kernel) and not self.plan.rest and not self.plan.blocks
+
+    def launch_positions(self) -> tuple[int, int]:
+        """The positions of the two pieces the kernel's launches read where it reads every piece.
+
+        Its first (the launches' device and dtype, :func:`~pgregistry.grad_stats._local.read_kind`,
+        :func:`~pgregistry.grad_stats._local.scale_kind`) and its launch's base, from which the
+        kernel addresses every piece (:class:`~pgregistry.grad_stats._fused.Launch`)."""
+        assert self.read_by_kernel_alone and self.plan.launch is not None
+        return self.positions[0], self.positions[self.plan.launch.base]
 
 
 @attrs.define(slots=True)
@@ -235,10 +256,21 @@ class _Planned:
     rows: torch.Tensor | None
     """For the compiled check, each parameter's grad as one row: its tensor's address (``_cdata``,
     0 for no grad) and its data's; ``None`` without it."""
+    kept: torch.Tensor | None
+    """For the compiled check, which pieces a read by the kernel alone needs (one bool a piece,
+    :func:`_launch_positions`): a call whose reads touch no other piece
+    (:func:`_reads_by_kernel_alone`) is given only those (:meth:`pieces_from`). ``None`` where
+    every piece is needed (a kind some piece of which torch or the host reads; no piece to leave
+    out) or without the compiled check."""
 
     @classmethod
-    def of(cls, grads: list[Any], pieces: list[torch.Tensor]) -> _Planned:
-        """The record of ``pieces``, the plain grads among ``grads`` (the others ``None``)."""
+    def of(
+        cls, grads: list[Any], pieces: list[torch.Tensor], needed: Sequence[int] | None = None
+    ) -> _Planned:
+        """The record of ``pieces``, the plain grads among ``grads`` (the others ``None``).
+
+        ``needed``: the positions of the pieces a read by the kernel alone needs
+        (:func:`_launch_positions`), ``None`` where it needs every piece."""
         deaths: list[weakref.ref[torch.Tensor]] = []
         references = list(map(weakref.ref, pieces, repeat(deaths.append)))
         nones = list(compress(range(len(grads)), map(operator.is_, grads, repeat(None))))
@@ -247,10 +279,21 @@ class _Planned:
         checks = steady_checks()
         rows = checks.planned_rows(grads) if checks is not None else None
         take_none = _make_picker(nones, len(grads))
-        return cls(references, take_none, addresses, deaths, positions, checks, rows)
+        kept = None
+        if checks is not None and needed is not None and len(needed) < len(pieces):
+            kept = torch.zeros(len(pieces), dtype=torch.bool)
+            kept[list(needed)] = True
+        return cls(references, take_none, addresses, deaths, positions, checks, rows, kept)
+
+    def mask_for(self, wanted: Wanted) -> torch.Tensor | None:
+        """:attr:`kept` where the reads ``wanted`` asks for are the kernel's alone, else None."""
+        return self.kept if _reads_by_kernel_alone(wanted) else None
 
     def pieces_from(
-        self, params: Sequence[torch.Tensor], take_plain: Callable[[Sequence[Any]], list[Any]]
+        self,
+        params: Sequence[torch.Tensor],
+        take_plain: Callable[[Sequence[Any]], list[Any]],
+        kept: torch.Tensor | None = None,
     ) -> tuple[list[Any] | None, list[Any] | None]:
         """The pieces if the grads of ``params`` are the very grads planned for; the grads read.
 
@@ -258,14 +301,17 @@ class _Planned:
         not read them as a list (so a miss reads them once). In one compiled pass where built
         (:attr:`rows`): deaths first, as :meth:`pieces_of` does, since while none is noted every
         planned grad lives, so its tensor's address names it alone and a grad at that address is
-        the planned object; then each grad, read as autograd holds it, compared with its row. Else
-        :meth:`pieces_of` on the grads read here."""
+        the planned object; then each grad, read as autograd holds it, compared with its row. With
+        ``kept`` (:meth:`mask_for`), every grad is checked alike but only the kept pieces are in
+        the list, ``None`` at the others' positions: making each grad's Python reference and
+        appending it was most of the pass. Else :meth:`pieces_of` on the grads read here, every
+        piece."""
         if self.checks is None:
             grads = _grads_of(params)
             return self.pieces_of(grads, take_plain), grads
         if self.deaths:
             return None, None
-        pieces: list[Any] | None = self.checks.planned_pieces(_as_list(params), self.rows)
+        pieces: list[Any] | None = self.checks.planned_pieces(_as_list(params), self.rows, kept)
         return pieces, None
 
     def pieces_of(
@@ -356,14 +402,34 @@ class _Layout:
 class Read:
     """One call's grads read into shares, and its local pieces, which clipping scales.
 
-    The pieces are every grad's local tensor, duplicates included."""
+    The pieces are every grad's local tensor, duplicates included, at their positions; where the
+    read was the kernel's alone (:meth:`_Planned.pieces_from` with a mask), only those its launches
+    read, ``None`` at the others' positions, and :attr:`references` gives every piece
+    (:meth:`every_piece`)."""
 
     shares: Shares
-    pieces: list[torch.Tensor]
+    pieces: list[Any]
     every: list[_Kind]
+    references: list[weakref.ref[torch.Tensor]] | None = None
+    """Where :attr:`pieces` holds only the pieces the launches read, each piece's weak reference;
+    ``None`` where it holds every piece."""
+
+    def every_piece(self) -> list[torch.Tensor]:
+        """Every piece, at its position, also where the read was the kernel's alone.
+
+        From the plan's weak references there: the read found each of them alive, the very grad its
+        parameter holds, and the call holds the parameters."""
+        if self.references is None:
+            return cast("list[torch.Tensor]", self.pieces)
+        pieces = list(map(operator.call, self.references))
+        assert all(map(operator.is_not, pieces, repeat(None))), "a grad read was freed since"
+        return cast("list[torch.Tensor]", pieces)
 
     def clip_(self, clipping: Clipping) -> None:
-        """Scale every local grad by ``clipping``'s coefficient, one call per kind."""
+        """Scale every local grad by ``clipping``'s coefficient, one call per kind.
+
+        Where the read was the kernel's alone, each kind's launch scales every piece from the two
+        pieces it was given (:meth:`_Kind.launch_positions`)."""
         for kind in self.every:
             scale_kind(kind.take(self.pieces), kind.plan, clipping)
 
@@ -389,11 +455,14 @@ class Plan:
         layout = self._layout
         grads: list[Any] | None = None
         if layout is not None:
-            if layout.planned_for is not None:
-                planned, grads = layout.planned_for.pieces_from(params, layout.take_plain)
+            planned_for = layout.planned_for
+            if planned_for is not None:
+                kept = planned_for.mask_for(wanted)
+                planned, grads = planned_for.pieces_from(params, layout.take_plain, kept)
                 if planned is not None:  # the grads the reads were planned for, where they were
                     layout.misses = 0
-                    return self._read_pieces(layout, planned, [], params, wanted)
+                    references = planned_for.references if kept is not None else None
+                    return self._read_pieces(layout, planned, [], params, wanted, references)
             layout.misses += 1
         if grads is None:
             grads = _grads_of(params)
@@ -429,7 +498,7 @@ class Plan:
                 self._plan_kinds(layout, pieces, facts)
             layout.planned_for = None  # planned for other pieces: never to be taken for these reads
         if not (dtensors or partial) and layout.misses & (layout.misses - 1) == 0:
-            layout.planned_for = _Planned.of(grads, pieces)
+            layout.planned_for = _Planned.of(grads, pieces, _launch_positions(layout, len(pieces)))
         return self._read_pieces(layout, pieces, partial, params, wanted)
 
     def _read_pieces(
@@ -439,8 +508,12 @@ class Plan:
         partial: list[tuple[int, str, Any]],
         params: Sequence[torch.Tensor],
         wanted: Wanted,
+        references: list[weakref.ref[torch.Tensor]] | None = None,
     ) -> Read:
-        """Read ``pieces`` (checked against ``layout``) and ``partial`` DTensor grads to shares."""
+        """Read ``pieces`` (checked against ``layout``) and ``partial`` DTensor grads to shares.
+
+        ``references``: where ``pieces`` holds only the pieces the kernel's launches read
+        (:attr:`Read.references`), every piece's weak reference."""
         device = reduction_device(pieces, self.reduce_groups)
         shares = Shares(wanted, device, self.reduce_groups)
         shares.wide = layout.wide
@@ -474,7 +547,7 @@ class Plan:
                     _add_part(
                         shares, target, nonfinite_part(part), layout.fields, self.reduce_groups
                     )
-        return Read(shares, pieces, layout.every)
+        return Read(shares, pieces, layout.every, references)
 
     # -------------------------------------------------------------------------------- derived state
 
@@ -593,7 +666,7 @@ class Plan:
             new = replanned.get(id(kind))
             if new is None:
                 plan = replan_launch(kind.plan, kind.take(pieces))
-                new = replanned[id(kind)] = _Kind(kind.take, plan)
+                new = replanned[id(kind)] = attrs.evolve(kind, plan=plan)
             return new
 
         layout.kinds = [
@@ -735,9 +808,39 @@ def _group_into_kinds(pieces: Sequence[torch.Tensor], positions: Iterable[int]) 
     kinds = []
     for (device, dtype), (lists, indices) in grouped.items():
         tensors = cast("list[torch.Tensor]", lists[0])
-        take = _make_picker([positions[i] for i in indices], len(pieces))
-        kinds.append(_Kind(take, plan_kind(tensors, device, dtype)))
+        kind_positions = [positions[i] for i in indices]
+        take = _make_picker(kind_positions, len(pieces))
+        kinds.append(_Kind(take, plan_kind(tensors, device, dtype), kind_positions))
     return kinds
+
+
+def _reads_by_kernel_alone(wanted: Wanted) -> bool:
+    """Whether a kind the kernel reads in full is read for ``wanted`` by the kernel alone.
+
+    The 2-norm and the zero count are what the kernel gives (with the 2-norm, the grads not counted
+    here are read for the 2-norm too); the other norms read every piece through torch, and so does
+    the exact norm's second read (``divisor``) (:func:`~pgregistry.grad_stats._local.read_kind`)."""
+    return wanted.divisor is None and (wanted.p == 2.0 or (wanted.p is None and wanted.zeros))
+
+
+def _launch_positions(layout: _Layout, count: int) -> list[int] | None:
+    """The positions among ``count`` pieces that a read by the kernel alone needs, else ``None``.
+
+    Where every kind of ``layout`` (each target's, each watched target's, every piece's) is read by
+    the kernel in full, only each kind's first and base piece (:meth:`_Kind.launch_positions`) and
+    the first piece (the reduction's device,
+    :func:`~pgregistry.grad_stats._devices.reduction_device`); ``None`` where some piece is read by
+    torch or the host, or there is none. Made with the record of the planned grads
+    (:meth:`_Planned.of`), which is dropped whenever the kinds or their launches are made again
+    (:attr:`_Layout.planned_for`): the positions are those of the current kinds."""
+    kinds = [
+        *chain.from_iterable(kinds for _, kinds in layout.kinds),
+        *chain.from_iterable(kinds for _, kinds in layout.watched_kinds),
+        *layout.every,
+    ]
+    if not count or not all(kind.read_by_kernel_alone for kind in kinds):
+        return None
+    return sorted({0, *chain.from_iterable(kind.launch_positions() for kind in kinds)})
 
 
 # --------------------------------------------------------------------------------------- kept plans

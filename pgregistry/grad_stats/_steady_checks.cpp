@@ -26,19 +26,49 @@ bool all_empty(const py::list& dicts) {
   return true;
 }
 
+// The entries of `kept`, a per-piece mask (a contiguous 1-dim bool or uint8 CPU tensor), one byte a
+// piece; nullptr for None (every piece kept).
+const uint8_t* kept_entries(const py::object& kept, Py_ssize_t* count) {
+  *count = 0;
+  if (kept.is_none()) {
+    return nullptr;
+  }
+  if (!THPVariable_Check(kept.ptr())) {
+    throw py::type_error("kept must be None or a tensor of one entry a piece");
+  }
+  const at::Tensor& mask = THPVariable_Unpack(kept.ptr());
+  if (mask.dim() != 1 || (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kByte) ||
+      !mask.is_contiguous() || !mask.is_cpu()) {
+    throw py::value_error("kept must be a contiguous 1-dim bool or uint8 CPU tensor");
+  }
+  *count = static_cast<Py_ssize_t>(mask.size(0));
+  return static_cast<const uint8_t*>(mask.const_data_ptr());
+}
+
 // The pieces (each parameter's grad, None skipped) when every parameter's grad is the one planned:
 // the same tensor (TensorImpl, one-to-one with its Python object while both live) at the planned
 // address, and no grad where none was. `planned` is a contiguous int64 CPU tensor of one row a
 // parameter: the grad's TensorImpl address (0 for none) and its data address. None where any
-// differs, or where a parameter is not a tensor (the Python check then decides).
-py::object planned_pieces(const py::list& params, const at::Tensor& planned) {
+// differs, or where a parameter is not a tensor (the Python check then decides). With `kept` (a
+// mask of one entry a planned piece, kept_entries), every grad is checked alike, but only the kept
+// pieces are wrapped into the list, None at the others' positions (the same length: each piece at
+// its position); wrapping and appending each grad was most of this pass.
+py::object planned_pieces(
+    const py::list& params, const at::Tensor& planned, const py::object& kept) {
   const Py_ssize_t count = PyList_GET_SIZE(params.ptr());
   if (planned.dim() != 2 || planned.size(0) != count || planned.size(1) != 2 ||
       planned.scalar_type() != at::kLong || !planned.is_contiguous() || !planned.is_cpu()) {
     throw py::value_error("planned must be a contiguous int64 CPU tensor of one row a parameter");
   }
   const int64_t* rows = planned.const_data_ptr<int64_t>();
-  py::list pieces;
+  Py_ssize_t kept_count = 0;
+  const uint8_t* keep = kept_entries(kept, &kept_count);
+  PyObject* made = keep == nullptr ? PyList_New(0) : PyList_New(kept_count);
+  if (made == nullptr) {
+    throw py::error_already_set();
+  }
+  py::list pieces = py::reinterpret_steal<py::list>(made);  // a slot not yet set is NULL: freed alike
+  Py_ssize_t at = 0;
   for (Py_ssize_t index = 0; index < count; ++index) {
     PyObject* param = PyList_GET_ITEM(params.ptr(), index);
     if (!THPVariable_Check(param)) {
@@ -56,7 +86,26 @@ py::object planned_pieces(const py::list& params, const at::Tensor& planned) {
         reinterpret_cast<int64_t>(grad.data_ptr()) != rows[2 * index + 1]) {
       return py::none();
     }
-    pieces.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
+    if (keep == nullptr) {
+      pieces.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
+      continue;
+    }
+    if (at >= kept_count) {
+      throw py::value_error("kept holds fewer entries than the planned pieces");
+    }
+    PyObject* piece = Py_None;
+    if (keep[at] != 0) {
+      piece = THPVariable_Wrap(grad);
+      if (piece == nullptr) {
+        throw py::error_already_set();
+      }
+    } else {
+      Py_INCREF(piece);
+    }
+    PyList_SET_ITEM(made, at++, piece);
+  }
+  if (keep != nullptr && at != kept_count) {
+    throw py::value_error("kept holds more entries than the planned pieces");
   }
   return pieces;
 }
@@ -313,7 +362,12 @@ at::Tensor planned_rows(const py::list& grads) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("planned_pieces", &planned_pieces, py::arg("params"), py::arg("planned"));
+  module.def(
+      "planned_pieces",
+      &planned_pieces,
+      py::arg("params"),
+      py::arg("planned"),
+      py::arg("kept") = py::none());
   module.def("piece_facts", &piece_facts, py::arg("tensors"), py::arg("contiguity"));
   module.def("kind_facts", &kind_facts, py::arg("tensors"));
   module.def("planned_rows", &planned_rows, py::arg("grads"));

@@ -289,12 +289,12 @@ def _grad_in_two_modules(
     parameter. Local: the caller agrees on the answer."""
     if len(reads) < 2:
         return None
-    pieces = [read.pieces for read in reads.values()]
-    if len(set(map(id, chain.from_iterable(pieces)))) == sum(map(len, pieces)):
+    pieces = {name: read.every_piece() for name, read in reads.items()}  # not only those read
+    if len(set(map(id, chain.from_iterable(pieces.values())))) == sum(map(len, pieces.values())):
         return None
     holder: dict[int, str] = {}
-    for name, read in reads.items():
-        for piece in read.pieces:
+    for name, read_pieces in pieces.items():
+        for piece in read_pieces:
             if id(piece) in holder:
                 plan = checked[name]
                 param = next(

@@ -100,12 +100,22 @@ def _kept(model: nn.Module) -> plans.Kept:
     return kept
 
 
+def _first_only(planned: plans._Planned) -> torch.Tensor:
+    """A mask keeping the first planned piece only: where a read is the kernel's alone, the pieces after it are left
+    out of the list, but every grad is still checked."""
+    kept = torch.zeros(len(planned.references), dtype=torch.bool)
+    kept[0] = True
+    return kept
+
+
 def _compiled_answers(kept: plans.Kept) -> tuple[bool, bool, bool]:
     layout = kept.plan._layout
     assert layout is not None and layout.planned_for is not None and layout.planned_for.checks is not None
     holders = kept._checks.same_holders(kept._empty_holders, kept._full_holders, kept._held)
     roles = kept._checks.same_roles(kept._bare, kept._roleless, kept._roled_blocks, plans.ROLE_KEYS, kept._roles)
     pieces, _ = layout.planned_for.pieces_from(kept.params, layout.take_plain)
+    masked, _ = layout.planned_for.pieces_from(kept.params, layout.take_plain, _first_only(layout.planned_for))
+    assert (masked is None) == (pieces is None), "the check with a mask answered otherwise than without"
     return holders, roles, pieces is not None
 
 
@@ -140,6 +150,30 @@ def test_the_planned_pieces_are_the_grads_themselves() -> None:
     pieces, _ = layout.planned_for.pieces_from(kept.params, layout.take_plain)
     assert pieces is not None
     assert [id(piece) for piece in pieces] == [id(param.grad) for param in kept.params]
+
+
+def test_a_mask_leaves_out_the_pieces_it_does_not_keep_at_their_positions() -> None:
+    """With a mask, the list holds the kept pieces at their positions and None at the others'; without compiled
+    checks (the Python check) every piece, mask or not. A mask of another length than the pieces is refused."""
+    model = _model()
+    kept = _kept(model)
+    layout = kept.plan._layout
+    assert layout is not None and layout.planned_for is not None
+    planned = layout.planned_for
+    grads = [param.grad for param in kept.params]
+    for mask in ([True, False, False, True], [False] * 4, [True] * 4):
+        pieces, _ = planned.pieces_from(kept.params, layout.take_plain, torch.tensor(mask))
+        assert pieces is not None
+        want = [id(grad) if keep else id(None) for grad, keep in zip(grads, mask, strict=True)]
+        assert [id(piece) for piece in pieces] == want
+    for wrong in (torch.ones(3, dtype=torch.bool), torch.ones(5, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="kept holds (fewer|more) entries than the planned pieces"):
+            planned.pieces_from(kept.params, layout.take_plain, wrong)
+    with pytest.raises(ValueError, match="kept must be a contiguous 1-dim bool or uint8 CPU tensor"):
+        planned.pieces_from(kept.params, layout.take_plain, torch.ones(4))
+    planned.checks = None  # the Python check: every piece
+    pieces, _ = planned.pieces_from(kept.params, layout.take_plain, _first_only(planned))
+    assert pieces is not None and [id(piece) for piece in pieces] == [id(grad) for grad in grads]
 
 
 def test_an_error_raised_comparing_a_role_is_raised_as_in_python() -> None:

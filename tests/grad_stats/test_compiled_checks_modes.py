@@ -73,7 +73,7 @@ def test_an_unknown_mode_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_build_that_answers_wrongly_is_refused(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     monkeypatch.setenv(_compiled.ENV, mode)
     wrong = SimpleNamespace(
-        planned_pieces=lambda params, planned: list(params),  # every grad taken for the planned one
+        planned_pieces=lambda params, planned, kept=None: list(params),  # every grad taken for the planned one
         same_holders=lambda empty, dicts, held: True,
         same_roles=lambda bare, roleless, blocks, keys, held: True,
         same_kinds_where_moved=lambda tensors, moved, held: True,  # every moved piece taken for its kind
