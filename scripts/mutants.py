@@ -3009,6 +3009,31 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_checkpoint_partition_dims_across_tp.py::"
                "test_tp_ranks_cutting_one_parameter_along_other_dims_are_refused_on_every_rank",),
     ),
+    Mutant(
+        name="checkpoint-state-unlike-across-tp-unchecked",
+        bug="optimizer state of a TP-sharded parameter held unlike by its TP ranks is not compared: a step of 2 on "
+        "TP rank 1 is stored as TP rank 0's 1, and state held on some TP ranks only leaves them waiting in "
+        "other collectives",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    _refuse_state_unlike_across_tp(states, model, owner)\n",
+        replace="",
+        tests=(
+            "tests/experts/test_checkpoint_state_unlike_across_tp.py::"
+            "test_a_step_count_unlike_across_tp_ranks_is_refused_on_every_rank_not_taken_from_tp_rank_0",
+            "tests/experts/test_checkpoint_state_unlike_across_tp.py::"
+            "test_state_held_on_some_tp_ranks_only_is_refused_on_every_rank_not_left_waiting",
+        ),
+    ),
+    Mutant(
+        name="checkpoint-state-values-left-out-of-the-tp-digest",
+        bug="the TP ranks compare which state keys they hold of a sharded parameter but not the values: a step "
+        "count unlike across them is stored as TP rank 0's",
+        file="pgregistry/checkpoint/_by_name.py",
+        find='                f"{name!r} {key!r} {text}"\n',
+        replace='                f"{name!r} {key!r}"\n',
+        tests=("tests/experts/test_checkpoint_state_unlike_across_tp.py::"
+               "test_a_step_count_unlike_across_tp_ranks_is_refused_on_every_rank_not_taken_from_tp_rank_0",),
+    ),
 )
 
 

@@ -405,16 +405,19 @@ def flat_state(
     (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
     TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group
     (collective), in one order on every rank: the model's parameter order, then by state key. A
-    state tensor of a TP-sharded parameter that cannot be joined is refused on every rank of its TP
-    groups, before the state's gathers (:func:`_refuse_unjoinable_state`; ``owner`` names the
-    caller); a save agrees on this call's errors over its ranks."""
+    state tensor of a TP-sharded parameter that cannot be joined, or state that differs across its
+    TP ranks in keys, kinds or per-parameter values, is refused on every rank of its TP groups,
+    before the state's gathers (:func:`_refuse_state_unlike_across_tp`,
+    :func:`_refuse_unjoinable_state`; ``owner`` names the caller); a save agrees on this call's
+    errors over its ranks."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
         if not primary_only or model.writes(name):
             flat[MODEL_PREFIX + name] = whole
-    if optimizer is not None:
-        states = _state_by_global_name(optimizer, model)
+    states = _state_by_global_name(optimizer, model) if optimizer is not None else None
+    _refuse_state_unlike_across_tp(states, model, owner)
+    if states is not None:
         _refuse_unjoinable_state(states, model, owner)
         for name, state in states:
             for key in sorted(state):
@@ -427,6 +430,97 @@ def flat_state(
             if not primary_only or model.writes(name):
                 flat[OPTIMIZED_PREFIX + name] = True
     return flat
+
+
+def _refuse_state_unlike_across_tp(
+    states: list[tuple[str, ParamState]] | None, model: RankModel, owner: str
+) -> None:
+    """``ValueError`` on every rank of a TP group whose ranks hold unlike state of a sharded piece.
+
+    A TP-sharded parameter's pieces are joined into one whole, and its per-parameter values (a 0-d
+    ``step``, a number) are stored once, from TP rank 0, as Megatron-Core stores its common state:
+    a ``step`` of 2 on TP rank 1 beside 1 on TP rank 0 came back 1 on both, Adam's bias correction
+    changed without a word. State held on some TP ranks only (a piece that had no grad there, an
+    optimizer given on some ranks only) sent the ranks into other gathers, which waited for ever.
+    So the ranks of each TP group compare, in one all-reduce of two integers, what they hold of
+    each of their sharded parameters (:func:`_state_held_of`); when it differs, the first
+    difference is named with every rank's (``states`` is ``None`` without an optimizer)."""
+    by_name = dict(states) if states is not None else None
+    for group in model.tp_groups:
+        held = [
+            _state_held_of(name, by_name, model)
+            for name, shard in model.sharded.items()
+            if shard.group is group
+        ]
+        digest = digest_of(
+            [f"{name!r} {updated}" for name, updated, _ in held]
+            + [
+                f"{name!r} {key!r} {text}"
+                for name, _, by_key in held
+                for key, text in by_key.items()
+            ]
+        )
+        tp_group = Scope(group_rank(group), group_size(group), group)
+        largest, negated_smallest = max_over_ranks([digest, -digest], tp_group)
+        if largest != -negated_smallest:
+            every_rank: list[Any] = [None] * tp_group.size
+            dist.all_gather_object(every_rank, held, group=group)
+            ranks = dist.get_process_group_ranks(group)
+            raise ValueError(f"{owner}: {_first_state_difference(every_rank, ranks)}")
+
+
+def _state_held_of(
+    name: str, states: Mapping[str, ParamState] | None, model: RankModel
+) -> tuple[str, str, dict[str, str]]:
+    """``(name, whether it is updated, {state key: what this rank holds})`` of a sharded piece.
+
+    "updated", "not updated by the optimizer" or "no optimizer given"; a tensor of the piece's
+    shape (gathered whole) by its dtype, a 0-d one by its value and dtype, any other value by its
+    ``repr``."""
+    if states is None or name not in states:
+        return name, "no optimizer given" if states is None else "not updated by the optimizer", {}
+    piece, held = tuple(model.params[name].shape), {}
+    for key, value in sorted(states[name].items()):
+        if not isinstance(value, torch.Tensor):
+            held[key] = repr(value)
+        elif value.dim() == 0:
+            held[key] = f"{value.item()!r} ({value.dtype})"
+        elif tuple(value.shape) == piece:
+            held[key] = f"a {value.dtype} piece"
+        else:
+            held[key] = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return name, "updated", held
+
+
+def _first_state_difference(every_rank: list[Any], ranks: list[int]) -> str:
+    """The first sharded parameter's state that ``every_rank`` holds unlike, each rank's named.
+
+    ``every_rank`` is each TP rank's list of :func:`_state_held_of`, one order on every rank:
+    whether the parameter is updated, then its first state key held unlike (``none`` where a rank
+    lacks it)."""
+    for index, (name, _, _) in enumerate(every_rank[0]):
+        entries = [rank_held[index] for rank_held in every_rank]
+        keys = sorted({key for _, _, held in entries for key in held})
+        rows = [(None, [updated for _, updated, _ in entries])]
+        rows += [(key, [held.get(key, "none") for _, _, held in entries]) for key in keys]
+        for key, texts in rows:
+            if len(set(texts)) > 1:
+                each = "; ".join(f"rank {r}: {text}" for r, text in zip(ranks, texts, strict=True))
+                found = (
+                    f"the TP-sharded parameter {name!r} is updated on some ranks of its TP group "
+                    f"only ({each})"
+                    if key is None
+                    else f"the optimizer state {key!r} of the TP-sharded parameter {name!r} "
+                    f"differs across the ranks of its TP group ({each})"
+                )
+                return (
+                    f"{found}. pgregistry.checkpoint joins its state into one whole and keeps one "
+                    "value of each per-parameter state (as Megatron-Core keeps one step), so every "
+                    "TP rank must hold the same state keys and values: step one optimizer alike "
+                    "on every TP rank (the same parameters and steps, none skipped on some ranks), "
+                    "then save"
+                )
+    raise AssertionError("the ranks' digests differ, but not what they hold")
 
 
 def _refuse_unjoinable_state(
@@ -530,8 +624,10 @@ def state_by_name(
         ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, a
             ``partition_dim`` that is no dim of its parameter, two parameters of one global name,
             or (on every rank of a TP group) TP pieces of one parameter of other shapes or
-            ``partition_dim`` values, or an optimizer state tensor of a TP-sharded parameter of
-            neither its shape nor 0-d (Adafactor's factored state: no whole to join it into).
+            ``partition_dim`` values, an optimizer state tensor of a TP-sharded parameter of
+            neither its shape nor 0-d (Adafactor's factored state: no whole to join it into), or
+            optimizer state of a TP-sharded parameter its TP ranks hold unlike (other keys, a step
+            count of other values, state on some ranks only).
 
     Example:
         On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP
