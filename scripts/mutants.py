@@ -3004,9 +3004,9 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="TP ranks giving one parameter other partition_dim values (pieces of one shape) are not refused: the "
         "save stores TP rank 0's join along its own dim, and the load refuses with a shape misfit naming no dim",
         file="pgregistry/checkpoint/_by_name.py",
-        find="            _refuse_other_dims(model, sharded, tp_group, owner)\n",
-        replace="            pass\n",
-        tests=("tests/experts/test_checkpoint_partition_dims_across_tp.py::"
+        find="    return model.sharded[name].dim, str(model.params[name].dtype)\n",
+        replace="    return 0, str(model.params[name].dtype)\n",
+        tests=("tests/experts/test_checkpoint_pieces_unlike_across_tp.py::"
                "test_tp_ranks_cutting_one_parameter_along_other_dims_are_refused_on_every_rank",),
     ),
     Mutant(
@@ -3033,6 +3033,16 @@ MUTANTS: tuple[Mutant, ...] = (
         replace='                f"{name!r} {key!r}"\n',
         tests=("tests/experts/test_checkpoint_state_unlike_across_tp.py::"
                "test_a_step_count_unlike_across_tp_ranks_is_refused_on_every_rank_not_taken_from_tp_rank_0",),
+    ),
+    Mutant(
+        name="checkpoint-pieces-dtypes-unlike-across-tp",
+        bug="TP ranks holding one parameter's pieces in other dtypes (float32 and float16) reach the all-gather "
+        "that joins them, and gloo aborts the process",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    return model.sharded[name].dim, str(model.params[name].dtype)\n",
+        replace="    return model.sharded[name].dim, \"\"\n",
+        tests=("tests/experts/test_checkpoint_pieces_unlike_across_tp.py::"
+               "test_tp_ranks_holding_one_parameter_in_other_dtypes_are_refused_on_every_rank_not_an_abort",),
     ),
 )
 

@@ -270,19 +270,21 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
     """``ValueError`` on every rank of a TP group whose TP-sharded pieces join into no one whole.
 
     A piece's whole is the all-gather of equal pieces, joined along one dim: pieces of 3 and 2
-    elements (a size the TP size does not divide, cut by ``chunk``) made gloo abort the process
-    (SIGABRT) in the gather; pieces of one shape that TP ranks cut along other ``partition_dim``
-    values were joined along TP rank 0's dim and stored, and the load refused them with a shape
-    misfit naming no dim (:func:`_refuse_other_dims`). Collective over each of
-    :attr:`RankModel.tp_groups`, which every rank has alike (one all-reduce of four integers each;
-    one more when the dims differ); the ranks holding no sharded piece take part too."""
+    elements (a size the TP size does not divide, cut by ``chunk``), or of one shape in float32 and
+    float16, made gloo abort the process (SIGABRT) in the gather; pieces of one shape that TP ranks
+    cut along other ``partition_dim`` values were joined along TP rank 0's dim and stored, and the
+    load refused them with a shape misfit naming no dim (:func:`_refuse_unlike_cuts`). Collective
+    over each of :attr:`RankModel.tp_groups`, which every rank has alike (one all-reduce of four
+    integers each; one gather of each rank's cuts when they differ); the ranks holding no sharded
+    piece take part too."""
     for group in model.tp_groups:
         sharded = [name for name, shard in model.sharded.items() if shard.group is group]
         pieces = [f"{name!r} {tuple(model.params[name].shape)}" for name in sharded]
-        shapes, dims = digest_of(pieces), digest_of([str(model.sharded[n].dim) for n in sharded])
+        cuts = [_cut_of(model, name) for name in sharded]
+        shapes, cut_digest = digest_of(pieces), digest_of([str(cut) for cut in cuts])
         tp_group = Scope(group_rank(group), group_size(group), group)
-        largest, negated_smallest, largest_dims, negated_smallest_dims = max_over_ranks(
-            [shapes, -shapes, dims, -dims], tp_group
+        largest, negated_smallest, largest_cuts, negated_smallest_cuts = max_over_ranks(
+            [shapes, -shapes, cut_digest, -cut_digest], tp_group
         )
         if largest != -negated_smallest:
             raise ValueError(
@@ -292,22 +294,27 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
                 "each TP-sharded parameter a size the TP size divides (pad it, as Megatron-Core "
                 "pads its vocabulary), and mark only parameters sharded on every TP rank"
             )
-        if largest_dims != -negated_smallest_dims:
-            _refuse_other_dims(model, sharded, tp_group, owner)
+        if largest_cuts != -negated_smallest_cuts:
+            _refuse_unlike_cuts(sharded, cuts, group, owner)
 
 
-def _refuse_other_dims(model: RankModel, sharded: list[str], tp_group: Scope, owner: str) -> None:
-    """``ValueError`` naming the first of ``sharded`` its TP ranks cut along other dims.
+def _cut_of(model: RankModel, name: str) -> tuple[int, str]:
+    """``(partition dim, dtype)`` of the TP-sharded parameter ``name``'s piece on this rank."""
+    return model.sharded[name].dim, str(model.params[name].dtype)
 
-    Each rank's dim of each parameter learnt in one all-reduce (a slot per parameter and rank, -1
-    but this rank's), so the message, the same on every rank of the group, names every rank's."""
-    slots = [-1] * (len(sharded) * tp_group.size)
+
+def _refuse_unlike_cuts(
+    sharded: list[str], cuts: list[tuple[int, str]], group: Any, owner: str
+) -> None:
+    """``ValueError`` naming the first of ``sharded`` whose :func:`_cut_of` differs over ``group``.
+
+    Every rank's cuts gathered (one ``all_gather_object`` over the TP group), so the message, the
+    same on every rank of the group, names every rank's dim or dtype."""
+    every_rank: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(every_rank, cuts, group=group)
+    ranks = dist.get_process_group_ranks(group)
     for index, name in enumerate(sharded):
-        slots[index * tp_group.size + tp_group.rank] = model.sharded[name].dim
-    every_dim = max_over_ranks(slots, tp_group)
-    ranks = dist.get_process_group_ranks(tp_group.group)
-    for index, name in enumerate(sharded):
-        dims = every_dim[index * tp_group.size : (index + 1) * tp_group.size]
+        dims, dtypes = zip(*(rank_cuts[index] for rank_cuts in every_rank), strict=True)
         if len(set(dims)) > 1:
             each = ", ".join(f"{dim} on rank {rank}" for rank, dim in zip(ranks, dims, strict=True))
             raise ValueError(
@@ -315,6 +322,13 @@ def _refuse_other_dims(model: RankModel, sharded: list[str], tp_group: Scope, ow
                 f"of its TP group (partition_dim {each}): its pieces join into one whole along one "
                 "dim. Give it the same partition_dim on every TP rank (the dim its TP pieces are "
                 "cut along; pgregistry.params.mark_tensor_parallel sets it)"
+            )
+        if len(set(dtypes)) > 1:
+            each = ", ".join(f"{dtype} on rank {r}" for r, dtype in zip(ranks, dtypes, strict=True))
+            raise ValueError(
+                f"{owner}: the TP-sharded parameter {name!r} is held in other dtypes on the ranks "
+                f"of its TP group ({each}): its pieces join into one whole of one dtype. Cast the "
+                "model alike on every TP rank"
             )
 
 
@@ -368,7 +382,7 @@ def agree_on_rank_model(
     """:func:`rank_model` in a collective save or load over ``scope``, raising on all if on any.
 
     A rank whose model cannot be named must not leave the others waiting in the save's or load's
-    collectives; nor may TP pieces of other shapes or dims reach the gathers
+    collectives; nor may TP pieces of other shapes, dims or dtypes reach the gathers
     (:func:`refuse_unequal_pieces`)."""
     elsewhere = ValueError(f"{owner}: another rank's model cannot be checkpointed")
     model = run_agreed_step(
@@ -623,7 +637,7 @@ def state_by_name(
         TypeError: ``model_chunks`` is not a model or a sequence of model chunks.
         ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, a
             ``partition_dim`` that is no dim of its parameter, two parameters of one global name,
-            or (on every rank of a TP group) TP pieces of one parameter of other shapes or
+            or (on every rank of a TP group) TP pieces of one parameter of other shapes, dtypes or
             ``partition_dim`` values, an optimizer state tensor of a TP-sharded parameter of
             neither its shape nor 0-d (Adafactor's factored state: no whole to join it into), or
             optimizer state of a TP-sharded parameter its TP ranks hold unlike (other keys, a step
