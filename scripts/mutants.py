@@ -3044,6 +3044,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_checkpoint_pieces_unlike_across_tp.py::"
                "test_tp_ranks_holding_one_parameter_in_other_dtypes_are_refused_on_every_rank_not_an_abort",),
     ),
+    Mutant(
+        name="optimizer-shards-cut-under-tp",
+        bug="sharded optimizer shards under TP are not refused: a TP 1 save loaded at TP 2 gives TP rank 1 the "
+        "whole weight's first elements (TP rank 0's rows) as its Adam state, main copy and weights",
+        file="pgregistry/checkpoint/_optimizer_shards.py",
+        find="        if group_size(group) > 1 and child.params:\n",
+        replace="        if False:\n",
+        tests=("tests/experts/test_optimizer_shards_under_tp.py::"
+               "test_optimizer_shards_under_tp_are_refused_on_every_rank_not_cut_from_tp_rank_0s_elements",),
+    ),
 )
 
 

@@ -24,11 +24,13 @@ from pgregistry.checkpoint._agreement import (
     max_over_ranks,
     name_lost_ranks,
     raise_on_every_rank,
+    run_agreed_step,
     scope_of,
 )
 from pgregistry.checkpoint._directory import checkpoint_path
 from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
 from pgregistry.checkpoint._strict import check_strict
+from pgregistry.collection import group_size
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
 from pgregistry.optim._state_check import first_few_quoted, refuse_faults
@@ -172,6 +174,27 @@ def _require_sharded_children(
     return sharded
 
 
+def _refuse_tp_held(children: list[ShardedOptimizer], owner: str) -> None:
+    """``ValueError`` for a parameter held on several TP ranks (expert TP for an expert's).
+
+    A sharded optimizer's pieces are cut by offset from each rank's own flattened tensor, which
+    over TP is each TP rank's piece under one global name: a save's pieces of two TP ranks overlap
+    (the load refused them, naming no TP), and a load at TP 2 of a TP 1 save gave TP rank 1 the
+    first elements of the whole, TP rank 0's rows, as its Adam state and main copy (its weights
+    too) without a word. :func:`~pgregistry.checkpoint.save_rank_files` gathers TP pieces whole."""
+    for child in children:
+        group = child.stats_groups.expt_tp if child.expert else child.stats_groups.tp
+        if group_size(group) > 1 and child.params:
+            axis = "expert TP" if child.expert else "TP"
+            raise ValueError(
+                f"{owner}: the optimizer holds {child.param_name(child.params[0])!r} on "
+                f"{group_size(group)} {axis} ranks, each its own piece under that name; "
+                "optimizer shards are cut from whole tensors held by one rank each, so TP must be "
+                "off. Checkpoint a TP model's optimizer with save_rank_files / load_rank_files "
+                "(or save_distributed / load_distributed), which join its TP pieces whole"
+            )
+
+
 def _checkpoint_scope(children: list[ShardedOptimizer]) -> Scope:
     """The ranks the optimizer's checkpoint runs over: those of the collection it was built on."""
     return scope_of(children[0].stats_groups.collection)
@@ -188,8 +211,8 @@ def save_optimizer_shards(
     rank of the optimizer's collection (the world, or a module's span) must call it, with a fresh
     directory per checkpoint (it may be the one :func:`save_rank_files` writes the parameters to).
     Hyper-parameters are not stored. The pieces must be whole-tensor pieces held by one rank each,
-    so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards); the
-    loader refuses overlapping pieces.
+    so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards): a
+    parameter held on several TP ranks is refused; the loader refuses overlapping pieces.
 
     Args:
         directory: a fresh directory for this checkpoint.
@@ -200,8 +223,9 @@ def save_optimizer_shards(
 
     Raises:
         ValueError: two parameters of the optimizer of one name (give it unique names); on every
-            rank, nothing written, an existing checkpoint in ``directory`` or a rank failing to
-            write (its error names the file and the disk).
+            rank, nothing written, a parameter held on several TP (expert TP) ranks, an existing
+            checkpoint in ``directory`` or a rank failing to write (its error names the file and
+            the disk).
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
             directory and the ranks that did not answer named.
 
@@ -221,6 +245,11 @@ def save_optimizer_shards(
             shards[name] = piece
     scope = _checkpoint_scope(children)
     with name_lost_ranks("save_optimizer_shards", directory, scope):
+        run_agreed_step(
+            lambda: _refuse_tp_held(children, "save_optimizer_shards"),
+            ValueError("save_optimizer_shards: another rank's optimizer holds TP pieces"),
+            scope,
+        )
         return write_rank_file(directory, _OPTIMIZER_FILE, shards, scope)
 
 
@@ -240,16 +269,17 @@ def load_optimizer_shards(
     Args:
         directory: the directory :func:`save_optimizer_shards` wrote.
         optimizer: a :class:`~pgregistry.optim.ShardedOptimizer`, or a chained optimizer of them, on
-            any layout.
+            any layout without TP (a piece of a parameter held on several TP ranks would be cut
+            from the whole's first elements: refused).
         strict: refuse pieces of a parameter no rank's optimizer holds, as
             :func:`~pgregistry.checkpoint.load_rank_files` does (default); ``False`` loads a subset
             on purpose.
 
     Raises:
-        ValueError: on every rank, before any loads: a parameter of the optimizer not in the
-            checkpoint; with ``strict``, pieces of a parameter no rank's optimizer holds; files that
-            mix checkpoints or saves; a file a rank cannot read; a piece read that is damaged (the
-            file and the piece named).
+        ValueError: on every rank, before any loads: a parameter held on several TP (expert TP)
+            ranks; a parameter of the optimizer not in the checkpoint; with ``strict``, pieces of a
+            parameter no rank's optimizer holds; files that mix checkpoints or saves; a file a rank
+            cannot read; a piece read that is damaged (the file and the piece named).
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
             directory and the ranks that did not answer named.
 
@@ -266,6 +296,11 @@ def load_optimizer_shards(
         # agree that all of them fit: a child refusing after another loaded would leave a
         # half-loaded optimizer, and loading gathers the restored shards, so a rank raising alone
         # would leave its peers waiting in that collective.
+        run_agreed_step(
+            lambda: _refuse_tp_held(children, "load_optimizer_shards"),
+            ValueError("load_optimizer_shards: another rank's optimizer holds TP pieces"),
+            scope,
+        )
         saved: list[str] = []
         held: set[str] = set()
         try:
