@@ -3054,6 +3054,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_optimizer_shards_under_tp.py::"
                "test_optimizer_shards_under_tp_are_refused_on_every_rank_not_cut_from_tp_rank_0s_elements",),
     ),
+    Mutant(
+        name="checkpoint-names-on-two-stages-unchecked",
+        bug="pipeline stages given one layer offset both name their layer layers.0.weight: save_distributed keeps "
+        "one stage's under the name and a load gives it to both, the other stage's weights lost",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="        run_agreed_step(lambda: refuse_names_on_two_stages(model, owner), elsewhere, scope)\n",
+        replace="        pass\n",
+        tests=("tests/experts/test_checkpoint_names_on_two_stages.py::"
+               "test_two_stages_naming_one_parameter_are_refused_on_every_rank_not_one_kept_for_both",),
+    ),
+    Mutant(
+        name="checkpoint-tied-copy-named-alike-refused",
+        bug="a tied copy marked shared on the last pipeline stage, named as its original, is refused as a name "
+        "held by two stages",
+        file="pgregistry/checkpoint/_by_name.py",
+        find='    names = [name for name, param in model.params.items() if not getattr(param, "shared", False)]\n',
+        replace="    names = list(model.params)\n",
+        tests=("tests/experts/test_checkpoint_names_on_two_stages.py::"
+               "test_two_stages_naming_one_parameter_are_refused_on_every_rank_not_one_kept_for_both",),
+    ),
 )
 
 

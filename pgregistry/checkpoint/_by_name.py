@@ -123,6 +123,9 @@ class RankModel:
     tp_groups: tuple[Any, ...] = ()
     """The TP and expert-TP groups of more than one rank, in that order: those the pieces of
     :attr:`sharded` are joined over."""
+    pp_group: Any = None
+    """The pipeline group, when it has more than one rank: its stages must name no parameter
+    alike (:func:`refuse_names_on_two_stages`)."""
 
     def writes(self, name: str) -> bool:
         return self.writes_experts if is_expert_key(name) else self.writes_dense
@@ -242,6 +245,7 @@ def rank_model(
         sharded,
         resolved_scope,
         tuple(group for group in dict.fromkeys((tp, expt_tp)) if group_size(group) > 1),
+        collection.get("pp") if group_size(collection.get("pp")) > 1 else None,
     )
 
 
@@ -383,14 +387,46 @@ def agree_on_rank_model(
 
     A rank whose model cannot be named must not leave the others waiting in the save's or load's
     collectives; nor may TP pieces of other shapes, dims or dtypes reach the gathers
-    (:func:`refuse_unequal_pieces`)."""
+    (:func:`refuse_unequal_pieces`), nor two pipeline stages name a parameter alike
+    (:func:`refuse_names_on_two_stages`)."""
     elsewhere = ValueError(f"{owner}: another rank's model cannot be checkpointed")
     model = run_agreed_step(
         lambda: rank_model(model_chunks, owner, scope, **naming), elsewhere, scope
     )
     if model.tp_groups:  # alike on every rank: the layout's sizes
         run_agreed_step(lambda: refuse_unequal_pieces(model, owner), elsewhere, scope)
+    if model.pp_group is not None:  # alike on every rank too
+        run_agreed_step(lambda: refuse_names_on_two_stages(model, owner), elsewhere, scope)
     return model
+
+
+def refuse_names_on_two_stages(model: RankModel, owner: str) -> None:
+    """``ValueError`` on every rank of a pipeline group whose stages hold a parameter of one name.
+
+    A checkpoint stores each global name once, written by each stage's writer: two stages given one
+    layer offset (``layer_offset`` 0 on both) both wrote ``layers.0.weight``, and
+    ``save_distributed`` kept one of them and gave it to both stages at load, the other stage's
+    weights lost without a word (``load_rank_files`` refused the files as storing a key twice). A
+    parameter marked ``shared`` (a tied copy of one on another stage) may share its name. One
+    ``all_gather_object`` of the names over the pipeline group."""
+    names = [name for name, param in model.params.items() if not getattr(param, "shared", False)]
+    every_stage: list[Any] = [None] * group_size(model.pp_group)
+    dist.all_gather_object(every_stage, names, group=model.pp_group)
+    ranks = dist.get_process_group_ranks(model.pp_group)
+    holders: dict[str, list[int]] = {}
+    for rank, stage_names in zip(ranks, every_stage, strict=True):
+        for name in stage_names:
+            holders.setdefault(name, []).append(rank)
+    twice = {name: held for name, held in holders.items() if len(held) > 1}
+    if twice:
+        name, held = next(iter(twice.items()))
+        raise ValueError(
+            f"{owner}: the pipeline stages of ranks {held} all hold a parameter named {name!r} "
+            f"({len(twice)} such name(s)): a checkpoint stores each global name once, so one "
+            "stage's would be kept for all. Give each pipeline chunk its first global layer index "
+            "(chunk.layer_offset, or layer_offsets=[...]), name every other parameter once over "
+            "the pipeline, or mark a tied copy with pgregistry.params.mark_shared"
+        )
 
 
 def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
