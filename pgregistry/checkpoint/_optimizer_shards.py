@@ -195,6 +195,23 @@ def _refuse_tp_held(children: list[ShardedOptimizer], owner: str) -> None:
             )
 
 
+def _other_sizes(whole: Mapping[str, Mapping[str, Any]], child: ShardedOptimizer) -> list[str]:
+    """The parameters of ``child`` whose saved whole (``whole``'s main copy) has another size.
+
+    A piece is cut by offset from the saved whole, so a checkpoint of a larger parameter (a weight
+    of 6 rows loaded into one of 4, a model of another size under the same names) gave each piece
+    the whole's first elements without a word; the piece fits, the whole does not."""
+    faults = []
+    for param in child.params:
+        name = child.param_name(param)
+        if name in whole and whole[name]["main"].numel() != param.numel():
+            faults.append(
+                f"{name!r} holds {whole[name]['main'].numel()} elements in the checkpoint, "
+                f"{param.numel()} here (a model of another size?)"
+            )
+    return faults
+
+
 def _checkpoint_scope(children: list[ShardedOptimizer]) -> Scope:
     """The ranks the optimizer's checkpoint runs over: those of the collection it was built on."""
     return scope_of(children[0].stats_groups.collection)
@@ -277,7 +294,8 @@ def load_optimizer_shards(
 
     Raises:
         ValueError: on every rank, before any loads: a parameter held on several TP (expert TP)
-            ranks; a parameter of the optimizer not in the checkpoint; with ``strict``, pieces of a
+            ranks; a parameter of the optimizer not in the checkpoint, or saved with another number
+            of elements (a model of another size); with ``strict``, pieces of a
             parameter no rank's optimizer holds; files that mix checkpoints or saves; a file a rank
             cannot read; a piece read that is damaged (the file and the piece named).
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
@@ -325,7 +343,7 @@ def load_optimizer_shards(
                     "shards": cut_optimizer_shards(whole, template),
                 }
                 subject = f"the optimizer shards of {directory} for child {len(loads)}"
-                refuse_faults(subject, child.state_dict_faults(load))
+                refuse_faults(subject, _other_sizes(whole, child) + child.state_dict_faults(load))
                 loads.append(load)
             error = None
         except (ValueError, OSError) as exc:
