@@ -317,23 +317,29 @@ def _refuse_unlike_cuts(
     every_rank: list[Any] = [None] * group_size(group)
     dist.all_gather_object(every_rank, cuts, group=group)
     ranks = dist.get_process_group_ranks(group)
+    unlike = (
+        (
+            "cut along other dims",
+            "partition_dim ",
+            "its pieces join into one whole along one dim. Give it the same partition_dim on every "
+            "TP rank (the dim its TP pieces are cut along; pgregistry.params.mark_tensor_parallel "
+            "sets it)",
+        ),
+        (
+            "held in other dtypes",
+            "",
+            "its pieces join into one whole of one dtype. Cast the model alike on every TP rank",
+        ),
+    )
     for index, name in enumerate(sharded):
-        dims, dtypes = zip(*(rank_cuts[index] for rank_cuts in every_rank), strict=True)
-        if len(set(dims)) > 1:
-            each = ", ".join(f"{dim} on rank {rank}" for rank, dim in zip(ranks, dims, strict=True))
-            raise ValueError(
-                f"{owner}: the TP-sharded parameter {name!r} is cut along other dims on the ranks "
-                f"of its TP group (partition_dim {each}): its pieces join into one whole along one "
-                "dim. Give it the same partition_dim on every TP rank (the dim its TP pieces are "
-                "cut along; pgregistry.params.mark_tensor_parallel sets it)"
-            )
-        if len(set(dtypes)) > 1:
-            each = ", ".join(f"{dtype} on rank {r}" for r, dtype in zip(ranks, dtypes, strict=True))
-            raise ValueError(
-                f"{owner}: the TP-sharded parameter {name!r} is held in other dtypes on the ranks "
-                f"of its TP group ({each}): its pieces join into one whole of one dtype. Cast the "
-                "model alike on every TP rank"
-            )
+        every_cut = zip(*(rank_cuts[index] for rank_cuts in every_rank), strict=True)
+        for values, (what, label, fix) in zip(every_cut, unlike, strict=True):
+            if len(set(values)) > 1:
+                each = ", ".join(f"{v} on rank {r}" for r, v in zip(ranks, values, strict=True))
+                raise ValueError(
+                    f"{owner}: the TP-sharded parameter {name!r} is {what} on the ranks of its TP "
+                    f"group ({label}{each}): {fix}"
+                )
 
 
 def _refuse_dtensors(params: Mapping[str, nn.Parameter], owner: str) -> None:
