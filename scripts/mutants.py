@@ -3049,8 +3049,10 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="sharded optimizer shards under TP are not refused: a TP 1 save loaded at TP 2 gives TP rank 1 the "
         "whole weight's first elements (TP rank 0's rows) as its Adam state, main copy and weights",
         file="pgregistry/checkpoint/_optimizer_shards.py",
-        find="        if group_size(group) > 1 and child.params:\n",
-        replace="        if False:\n",
+        find="    for child in children:\n        group = child.stats_groups.expt_tp if child.expert else "
+        "child.stats_groups.tp\n",
+        replace="    for child in children[:0]:\n        group = child.stats_groups.expt_tp if child.expert else "
+        "child.stats_groups.tp\n",
         tests=("tests/experts/test_optimizer_shards_under_tp.py::"
                "test_optimizer_shards_under_tp_are_refused_on_every_rank_not_cut_from_tp_rank_0s_elements",),
     ),
@@ -3083,6 +3085,20 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="        if False:\n",
         tests=("tests/experts/test_optimizer_shards_of_another_size.py::"
                "test_shards_of_a_parameter_of_another_size_are_refused_on_every_rank",),
+    ),
+    Mutant(
+        name="optimizer-shards-replicated-over-tp-refused-at-load",
+        bug="load_optimizer_shards refuses a parameter replicated over TP as it does a TP-sharded one, though each "
+        "TP rank holds it whole and its shards load right",
+        file="pgregistry/checkpoint/_optimizer_shards.py",
+        find="            if sharded_only and not getattr(param, \"tensor_model_parallel\", False):\n",
+        replace="            if False:\n",
+        tests=(
+            "tests/experts/test_optimizer_shards_under_tp.py::"
+            "test_optimizer_shards_under_tp_are_refused_on_every_rank_not_cut_from_tp_rank_0s_elements",
+            "tests/core/test_checkpoint_docstring_examples.py::"
+            "test_the_checkpoint_examples_load_what_they_saved[save_optimizer_shards-load_optimizer_shards-True]",
+        ),
     ),
 )
 

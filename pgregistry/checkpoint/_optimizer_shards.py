@@ -174,24 +174,31 @@ def _require_sharded_children(
     return sharded
 
 
-def _refuse_tp_held(children: list[ShardedOptimizer], owner: str) -> None:
+def _refuse_tp_held(children: list[ShardedOptimizer], owner: str, *, sharded_only: bool) -> None:
     """``ValueError`` for a parameter held on several TP ranks (expert TP for an expert's).
 
     A sharded optimizer's pieces are cut by offset from each rank's own flattened tensor, which
-    over TP is each TP rank's piece under one global name: a save's pieces of two TP ranks overlap
-    (the load refused them, naming no TP), and a load at TP 2 of a TP 1 save gave TP rank 1 the
-    first elements of the whole, TP rank 0's rows, as its Adam state and main copy (its weights
-    too) without a word. :func:`~pgregistry.checkpoint.save_rank_files` gathers TP pieces whole."""
+    over TP is each TP rank's copy or piece under one global name: a save's pieces of two TP ranks
+    overlap (the load refused them, naming no TP), so a save refuses any parameter under TP; a load
+    at TP 2 of a TP 1 save gave a TP-sharded parameter's TP rank 1 the first elements of the whole,
+    TP rank 0's rows, as its Adam state and main copy (its weights too) without a word, so a load
+    refuses TP-sharded parameters (``sharded_only``; one replicated over TP loads whole).
+    :func:`~pgregistry.checkpoint.save_rank_files` gathers TP pieces whole."""
     for child in children:
         group = child.stats_groups.expt_tp if child.expert else child.stats_groups.tp
-        if group_size(group) > 1 and child.params:
+        if group_size(group) == 1:
+            continue
+        for param in child.params:
+            if sharded_only and not getattr(param, "tensor_model_parallel", False):
+                continue
             axis = "expert TP" if child.expert else "TP"
+            how = "sharded over" if sharded_only else "on"
             raise ValueError(
-                f"{owner}: the optimizer holds {child.param_name(child.params[0])!r} on "
-                f"{group_size(group)} {axis} ranks, each its own piece under that name; "
-                "optimizer shards are cut from whole tensors held by one rank each, so TP must be "
-                "off. Checkpoint a TP model's optimizer with save_rank_files / load_rank_files "
-                "(or save_distributed / load_distributed), which join its TP pieces whole"
+                f"{owner}: the optimizer holds {child.param_name(param)!r} {how} "
+                f"{group_size(group)} {axis} ranks, each rank its own under that name; optimizer "
+                "shards are cut from whole tensors held by one rank each. Checkpoint a TP model's "
+                "optimizer with save_rank_files / load_rank_files (or save_distributed / "
+                "load_distributed), which join its TP pieces whole"
             )
 
 
@@ -263,7 +270,7 @@ def save_optimizer_shards(
     scope = _checkpoint_scope(children)
     with name_lost_ranks("save_optimizer_shards", directory, scope):
         run_agreed_step(
-            lambda: _refuse_tp_held(children, "save_optimizer_shards"),
+            lambda: _refuse_tp_held(children, "save_optimizer_shards", sharded_only=False),
             ValueError("save_optimizer_shards: another rank's optimizer holds TP pieces"),
             scope,
         )
@@ -286,16 +293,16 @@ def load_optimizer_shards(
     Args:
         directory: the directory :func:`save_optimizer_shards` wrote.
         optimizer: a :class:`~pgregistry.optim.ShardedOptimizer`, or a chained optimizer of them, on
-            any layout without TP (a piece of a parameter held on several TP ranks would be cut
-            from the whole's first elements: refused).
+            any layout; a TP-sharded parameter's pieces would be cut from the whole's first
+            elements, so it is refused (one replicated over TP loads whole).
         strict: refuse pieces of a parameter no rank's optimizer holds, as
             :func:`~pgregistry.checkpoint.load_rank_files` does (default); ``False`` loads a subset
             on purpose.
 
     Raises:
-        ValueError: on every rank, before any loads: a parameter held on several TP (expert TP)
-            ranks; a parameter of the optimizer not in the checkpoint, or saved with another number
-            of elements (a model of another size); with ``strict``, pieces of a
+        ValueError: on every rank, before any loads: a parameter TP-sharded (expert TP) over
+            several ranks; a parameter of the optimizer not in the checkpoint, or saved with
+            another number of elements (a model of another size); with ``strict``, pieces of a
             parameter no rank's optimizer holds; files that mix checkpoints or saves; a file a rank
             cannot read; a piece read that is damaged (the file and the piece named).
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
@@ -315,8 +322,8 @@ def load_optimizer_shards(
         # half-loaded optimizer, and loading gathers the restored shards, so a rank raising alone
         # would leave its peers waiting in that collective.
         run_agreed_step(
-            lambda: _refuse_tp_held(children, "load_optimizer_shards"),
-            ValueError("load_optimizer_shards: another rank's optimizer holds TP pieces"),
+            lambda: _refuse_tp_held(children, "load_optimizer_shards", sharded_only=True),
+            ValueError("load_optimizer_shards: another rank's optimizer holds TP-sharded pieces"),
             scope,
         )
         saved: list[str] = []
