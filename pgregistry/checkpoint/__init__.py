@@ -16,7 +16,8 @@ also reloads at another TP size. GTP-remat sharding must be off (``gtp_remat``, 
 of size 1), and interleaved TP shards (``partition_stride`` above 1) are refused; so are TP
 pieces of other shapes, dtypes or ``partition_dim`` values across a TP group, optimizer state of
 them held unlike across it, DTensor parameters (``fully_shard``: each rank holds its own shard),
-pipeline stages holding parameters of one global name (one layer offset given to two stages), and,
+pipeline stages holding parameters of one global name (one layer offset given to two stages; a tied
+copy marked ``shared`` may keep its original's name, written by the original's stage), and,
 at EP above 1, expert parameters whose name holds no expert index (experts stacked in one tensor):
 each would be stored as one rank's.
 

@@ -125,9 +125,14 @@ class RankModel:
     :attr:`sharded` are joined over."""
     pp_group: Any = None
     """The pipeline group, when it has more than one rank: its stages must name no parameter
-    alike (:func:`refuse_names_on_two_stages`)."""
+    alike (:func:`tied_copies_named_as_originals`)."""
+    tied_copies: frozenset[str] = frozenset()
+    """Tied copies (marked ``shared``) named as an original another stage holds: that stage writes
+    the name, this one does not."""
 
     def writes(self, name: str) -> bool:
+        if name in self.tied_copies:
+            return False
         return self.writes_experts if is_expert_key(name) else self.writes_dense
 
     def whole(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -394,7 +399,7 @@ def agree_on_rank_model(
     A rank whose model cannot be named must not leave the others waiting in the save's or load's
     collectives; nor may TP pieces of other shapes, dims or dtypes reach the gathers
     (:func:`refuse_unequal_pieces`), nor two pipeline stages name a parameter alike
-    (:func:`refuse_names_on_two_stages`)."""
+    (:func:`tied_copies_named_as_originals`)."""
     elsewhere = ValueError(f"{owner}: another rank's model cannot be checkpointed")
     model = run_agreed_step(
         lambda: rank_model(model_chunks, owner, scope, **naming), elsewhere, scope
@@ -402,27 +407,34 @@ def agree_on_rank_model(
     if model.tp_groups:  # alike on every rank: the layout's sizes
         run_agreed_step(lambda: refuse_unequal_pieces(model, owner), elsewhere, scope)
     if model.pp_group is not None:  # alike on every rank too
-        run_agreed_step(lambda: refuse_names_on_two_stages(model, owner), elsewhere, scope)
+        copies = run_agreed_step(
+            lambda: tied_copies_named_as_originals(model, owner), elsewhere, scope
+        )
+        model = attrs.evolve(model, tied_copies=copies)
     return model
 
 
-def refuse_names_on_two_stages(model: RankModel, owner: str) -> None:
-    """``ValueError`` on every rank of a pipeline group whose stages hold a parameter of one name.
+def tied_copies_named_as_originals(model: RankModel, owner: str) -> frozenset[str]:
+    """This stage's tied copies named as an original another stage holds; none twice unshared.
 
     A checkpoint stores each global name once, written by each stage's writer: two stages given one
     layer offset (``layer_offset`` 0 on both) both wrote ``layers.0.weight``, and
     ``save_distributed`` kept one of them and gave it to both stages at load, the other stage's
-    weights lost without a word (``load_rank_files`` refused the files as storing a key twice). A
-    parameter marked ``shared`` (a tied copy of one on another stage) may share its name. One
+    weights lost without a word (``load_rank_files`` refused the files as storing a key twice):
+    ``ValueError`` on every rank of the pipeline group. A parameter marked ``shared`` (a tied copy,
+    as Megatron-Core's last stage holds ``embedding.word_embeddings.weight`` for multi-token
+    prediction) may carry its original's name; the original's stage writes it, and a load gives it
+    to both (its copy was written too, and ``load_rank_files`` refused the files). One
     ``all_gather_object`` of the names over the pipeline group."""
-    names = [name for name, param in model.params.items() if not getattr(param, "shared", False)]
+    names = [(name, bool(getattr(param, "shared", False))) for name, param in model.params.items()]
     every_stage: list[Any] = [None] * group_size(model.pp_group)
     dist.all_gather_object(every_stage, names, group=model.pp_group)
     ranks = dist.get_process_group_ranks(model.pp_group)
     holders: dict[str, list[int]] = {}
     for rank, stage_names in zip(ranks, every_stage, strict=True):
-        for name in stage_names:
-            holders.setdefault(name, []).append(rank)
+        for name, shared in stage_names:
+            if not shared:
+                holders.setdefault(name, []).append(rank)
     twice = {name: held for name, held in holders.items() if len(held) > 1}
     if twice:
         name, held = next(iter(twice.items()))
@@ -433,6 +445,7 @@ def refuse_names_on_two_stages(model: RankModel, owner: str) -> None:
             "(chunk.layer_offset, or layer_offsets=[...]), name every other parameter once over "
             "the pipeline, or mark a tied copy with pgregistry.params.mark_shared"
         )
+    return frozenset(name for name, shared in names if shared and name in holders)
 
 
 def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
