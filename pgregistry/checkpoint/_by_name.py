@@ -125,7 +125,7 @@ class RankModel:
     :attr:`sharded` are joined over."""
     pp_group: Any = None
     """The pipeline group, when it has more than one rank: its stages must name no parameter
-    alike (:func:`tied_copies_named_as_originals`)."""
+    alike (:func:`copies_named_as_originals_elsewhere`)."""
     tied_copies: frozenset[str] = frozenset()
     """Tied copies (marked ``shared``) named as an original another stage holds: that stage writes
     the name, this one does not."""
@@ -399,7 +399,7 @@ def agree_on_rank_model(
     A rank whose model cannot be named must not leave the others waiting in the save's or load's
     collectives; nor may TP pieces of other shapes, dims or dtypes reach the gathers
     (:func:`refuse_unequal_pieces`), nor two pipeline stages name a parameter alike
-    (:func:`tied_copies_named_as_originals`)."""
+    (:func:`copies_named_as_originals_elsewhere`)."""
     elsewhere = ValueError(f"{owner}: another rank's model cannot be checkpointed")
     model = run_agreed_step(
         lambda: rank_model(model_chunks, owner, scope, **naming), elsewhere, scope
@@ -408,13 +408,13 @@ def agree_on_rank_model(
         run_agreed_step(lambda: refuse_unequal_pieces(model, owner), elsewhere, scope)
     if model.pp_group is not None:  # alike on every rank too
         copies = run_agreed_step(
-            lambda: tied_copies_named_as_originals(model, owner), elsewhere, scope
+            lambda: copies_named_as_originals_elsewhere(model, owner), elsewhere, scope
         )
         model = attrs.evolve(model, tied_copies=copies)
     return model
 
 
-def tied_copies_named_as_originals(model: RankModel, owner: str) -> frozenset[str]:
+def copies_named_as_originals_elsewhere(model: RankModel, owner: str) -> frozenset[str]:
     """This stage's tied copies named as an original another stage holds; none twice unshared.
 
     A checkpoint stores each global name once, written by each stage's writer: two stages given one
