@@ -415,7 +415,7 @@ def agree_on_rank_model(
 
 
 def copies_named_as_originals_elsewhere(model: RankModel, owner: str) -> frozenset[str]:
-    """This stage's tied copies named as an original another stage holds; none twice unshared.
+    """This stage's tied copies named as an original on another stage; refuses names held twice.
 
     A checkpoint stores each global name once, written by each stage's writer: two stages given one
     layer offset (``layer_offset`` 0 on both) both wrote ``layers.0.weight``, and
