@@ -3029,8 +3029,8 @@ MUTANTS: tuple[Mutant, ...] = (
         bug="the TP ranks compare which state keys they hold of a sharded parameter but not the values: a step "
         "count unlike across them is stored as TP rank 0's",
         file="pgregistry/checkpoint/_by_name.py",
-        find='                f"{name!r} {key!r} {text}"\n',
-        replace='                f"{name!r} {key!r}"\n',
+        find='            f"{name!r} {key!r} {text}" for name, _, by_key in held for key, text in by_key.items()\n',
+        replace='            f"{name!r} {key!r}" for name, _, by_key in held for key, text in by_key.items()\n',
         tests=("tests/experts/test_checkpoint_state_unlike_across_tp.py::"
                "test_a_step_count_unlike_across_tp_ranks_is_refused_on_every_rank_not_taken_from_tp_rank_0",),
     ),

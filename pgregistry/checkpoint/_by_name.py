@@ -521,14 +521,10 @@ def _refuse_state_unlike_across_tp(
             for name, shard in model.sharded.items()
             if shard.group is group
         ]
-        digest = digest_of(
-            [f"{name!r} {updated}" for name, updated, _ in held]
-            + [
-                f"{name!r} {key!r} {text}"
-                for name, _, by_key in held
-                for key, text in by_key.items()
-            ]
-        )
+        lines = [f"{name!r} {updated}" for name, updated, _ in held] + [
+            f"{name!r} {key!r} {text}" for name, _, by_key in held for key, text in by_key.items()
+        ]
+        digest = digest_of(lines)
         tp_group = Scope(group_rank(group), group_size(group), group)
         largest, negated_smallest = max_over_ranks([digest, -digest], tp_group)
         if largest != -negated_smallest:
