@@ -3031,6 +3031,117 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_kernel_only_steady_read_gives_the_oracles_answers[clip-that-scales]",
         ),
     ),
+    Mutant(
+        name="checkpoint-partition-dims-unlike-across-tp",
+        bug="TP ranks giving one parameter other partition_dim values (pieces of one shape) are not refused: the "
+        "save stores TP rank 0's join along its own dim, and the load refuses with a shape misfit naming no dim",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    return model.sharded[name].dim, str(model.params[name].dtype)\n",
+        replace="    return 0, str(model.params[name].dtype)\n",
+        tests=("tests/experts/test_checkpoint_pieces_unlike_across_tp.py::"
+               "test_tp_ranks_cutting_one_parameter_along_other_dims_are_refused_on_every_rank",),
+    ),
+    Mutant(
+        name="checkpoint-state-unlike-across-tp-unchecked",
+        bug="optimizer state of a TP-sharded parameter held unlike by its TP ranks is not compared: a step of 2 on "
+        "TP rank 1 is stored as TP rank 0's 1, and state held on some TP ranks only leaves them waiting in "
+        "other collectives",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    _refuse_state_unlike_across_tp(states, model, owner)\n",
+        replace="",
+        tests=(
+            "tests/experts/test_checkpoint_state_unlike_across_tp.py::"
+            "test_a_step_count_unlike_across_tp_ranks_is_refused_on_every_rank_not_taken_from_tp_rank_0",
+            "tests/experts/test_checkpoint_state_unlike_across_tp.py::"
+            "test_state_held_on_some_tp_ranks_only_is_refused_on_every_rank_not_left_waiting",
+        ),
+    ),
+    Mutant(
+        name="checkpoint-state-values-left-out-of-the-tp-digest",
+        bug="the TP ranks compare which state keys they hold of a sharded parameter but not the values: a step "
+        "count unlike across them is stored as TP rank 0's",
+        file="pgregistry/checkpoint/_by_name.py",
+        find='            f"{name!r} {key!r} {text}" for name, _, by_key in held for key, text in by_key.items()\n',
+        replace='            f"{name!r} {key!r}" for name, _, by_key in held for key, text in by_key.items()\n',
+        tests=("tests/experts/test_checkpoint_state_unlike_across_tp.py::"
+               "test_a_step_count_unlike_across_tp_ranks_is_refused_on_every_rank_not_taken_from_tp_rank_0",),
+    ),
+    Mutant(
+        name="checkpoint-pieces-dtypes-unlike-across-tp",
+        bug="TP ranks holding one parameter's pieces in other dtypes (float32 and float16) reach the all-gather "
+        "that joins them, and gloo aborts the process",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    return model.sharded[name].dim, str(model.params[name].dtype)\n",
+        replace="    return model.sharded[name].dim, \"\"\n",
+        tests=("tests/experts/test_checkpoint_pieces_unlike_across_tp.py::"
+               "test_tp_ranks_holding_one_parameter_in_other_dtypes_are_refused_on_every_rank_not_an_abort",),
+    ),
+    Mutant(
+        name="optimizer-shards-cut-under-tp",
+        bug="sharded optimizer shards under TP are not refused: a TP 1 save loaded at TP 2 gives TP rank 1 the "
+        "whole weight's first elements (TP rank 0's rows) as its Adam state, main copy and weights",
+        file="pgregistry/checkpoint/_optimizer_shards.py",
+        find="    for child in children:\n        group = child.stats_groups.expt_tp if child.expert else "
+        "child.stats_groups.tp\n",
+        replace="    for child in children[:0]:\n        group = child.stats_groups.expt_tp if child.expert else "
+        "child.stats_groups.tp\n",
+        tests=("tests/experts/test_optimizer_shards_under_tp.py::"
+               "test_optimizer_shards_under_tp_are_refused_on_every_rank_not_cut_from_tp_rank_0s_elements",),
+    ),
+    Mutant(
+        name="checkpoint-names-on-two-stages-unchecked",
+        bug="pipeline stages given one layer offset both name their layer layers.0.weight: save_distributed keeps "
+        "one stage's under the name and a load gives it to both, the other stage's weights lost",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="    if twice:\n",
+        replace="    if False:\n",
+        tests=("tests/experts/test_checkpoint_names_on_two_stages.py::"
+               "test_two_stages_naming_one_parameter_are_refused_on_every_rank_not_one_kept_for_both",),
+    ),
+    Mutant(
+        name="checkpoint-tied-copy-named-alike-refused",
+        bug="a tied copy marked shared on the last pipeline stage, named as its original, is refused as a name "
+        "held by two stages",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="            if not shared:\n",
+        replace="            if True:\n",
+        tests=("tests/experts/test_checkpoint_names_on_two_stages.py::"
+               "test_two_stages_naming_one_parameter_are_refused_on_every_rank_not_one_kept_for_both",),
+    ),
+    Mutant(
+        name="optimizer-shards-of-another-size-cut",
+        bug="load_optimizer_shards cuts the pieces of a parameter saved with more elements: a (6, 2) weight's "
+        "shards loaded into a (4, 2) one give it the saved weight's first 8 elements",
+        file="pgregistry/checkpoint/_optimizer_shards.py",
+        find="        if name in whole and whole[name][\"main\"].numel() != param.numel():\n",
+        replace="        if False:\n",
+        tests=("tests/experts/test_optimizer_shards_of_another_size.py::"
+               "test_shards_of_a_parameter_of_another_size_are_refused_on_every_rank",),
+    ),
+    Mutant(
+        name="optimizer-shards-replicated-over-tp-refused-at-load",
+        bug="load_optimizer_shards refuses a parameter replicated over TP as it does a TP-sharded one, though each "
+        "TP rank holds it whole and its shards load right",
+        file="pgregistry/checkpoint/_optimizer_shards.py",
+        find="            if sharded_only and not getattr(param, \"tensor_model_parallel\", False):\n",
+        replace="            if False:\n",
+        tests=(
+            "tests/experts/test_optimizer_shards_under_tp.py::"
+            "test_optimizer_shards_under_tp_are_refused_on_every_rank_not_cut_from_tp_rank_0s_elements",
+            "tests/core/test_checkpoint_docstring_examples.py::"
+            "test_the_checkpoint_examples_load_what_they_saved[save_optimizer_shards-load_optimizer_shards-True]",
+        ),
+    ),
+    Mutant(
+        name="checkpoint-tied-copy-written-beside-its-original",
+        bug="a tied copy marked shared and named as its original on another pipeline stage (Megatron-Core's "
+        "embedding for multi-token prediction) is written by both stages: load_rank_files refuses the files",
+        file="pgregistry/checkpoint/_by_name.py",
+        find="        if name in self.tied_copies:\n            return False\n",
+        replace="",
+        tests=("tests/experts/test_checkpoint_names_on_two_stages.py::"
+               "test_two_stages_naming_one_parameter_are_refused_on_every_rank_not_one_kept_for_both",),
+    ),
 )
 
 

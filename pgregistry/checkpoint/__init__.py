@@ -14,9 +14,12 @@ expert-TP rank 0. Tensors are stored whole: a TP-sharded parameter (and its opti
 all-gathered over its TP group along its ``partition_dim`` and cut again on load, so a checkpoint
 also reloads at another TP size. GTP-remat sharding must be off (``gtp_remat``, ``expt_gtp_remat``
 of size 1), and interleaved TP shards (``partition_stride`` above 1) are refused; so are TP
-pieces of other shapes across a TP group, DTensor parameters (``fully_shard``: each rank holds its
-own shard), and, at EP above 1, expert parameters whose name holds no expert index (experts stacked
-in one tensor): each would be stored as one rank's.
+pieces of other shapes, dtypes or ``partition_dim`` values across a TP group, optimizer state of
+them held unlike across it, DTensor parameters (``fully_shard``: each rank holds its own shard),
+pipeline stages holding parameters of one global name (one layer offset given to two stages; a tied
+copy marked ``shared`` may keep its original's name, written by the original's stage), and,
+at EP above 1, expert parameters whose name holds no expert index (experts stacked in one tensor):
+each would be stored as one rank's.
 
 Every collective of a save or load runs over the ranks of the model's collection: the world, or, for
 one module of a job whose layout covers part of the world, the module's span

@@ -32,6 +32,8 @@ from pgregistry._runtime.resolve import normalise_model, normalise_params, resol
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import (
     Scope,
+    digest_of,
+    max_over_ranks,
     run_agreed_step,
     same_on_every_rank,
     scope_of,
@@ -122,8 +124,16 @@ class RankModel:
     tp_groups: tuple[Any, ...] = ()
     """The TP and expert-TP groups of more than one rank, in that order: those the pieces of
     :attr:`sharded` are joined over."""
+    pp_group: Any = None
+    """The pipeline group, when it has more than one rank: its stages must name no parameter
+    alike (:func:`copies_named_as_originals_elsewhere`)."""
+    tied_copies: frozenset[str] = frozenset()
+    """Tied copies (marked ``shared``) named as an original another stage holds: that stage writes
+    the name, this one does not."""
 
     def writes(self, name: str) -> bool:
+        if name in self.tied_copies:
+            return False
         return self.writes_experts if is_expert_key(name) else self.writes_dense
 
     def whole(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -241,6 +251,7 @@ def rank_model(
         sharded,
         resolved_scope,
         tuple(group for group in dict.fromkeys((tp, expt_tp)) if group_size(group) > 1),
+        collection.get("pp") if group_size(collection.get("pp")) > 1 else None,
     )
 
 
@@ -266,19 +277,26 @@ def _partition_dim_of(param: nn.Parameter, name: str, owner: str) -> int:
 
 
 def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
-    """``ValueError`` on every rank of a TP group holding TP-sharded pieces of other shapes.
+    """``ValueError`` on every rank of a TP group whose TP-sharded pieces join into no one whole.
 
-    A piece's whole is the all-gather of equal pieces: pieces of 3 and 2 elements (a size the TP
-    size does not divide, cut by ``chunk``) made gloo abort the process (SIGABRT) in the gather.
-    Collective over each of :attr:`RankModel.tp_groups`, which every rank has alike (one all-reduce
-    of two integers each); the ranks holding no sharded piece take part too."""
+    A piece's whole is the all-gather of equal pieces, joined along one dim: pieces of 3 and 2
+    elements (a size the TP size does not divide, cut by ``chunk``), or of one shape in float32 and
+    float16, made gloo abort the process (SIGABRT) in the gather; pieces of one shape that TP ranks
+    cut along other ``partition_dim`` values were joined along TP rank 0's dim and stored, and the
+    load refused them with a shape misfit naming no dim (:func:`_refuse_unlike_cuts`). Collective
+    over each of :attr:`RankModel.tp_groups`, which every rank has alike (one all-reduce of four
+    integers each; one gather of each rank's cuts when they differ); the ranks holding no sharded
+    piece take part too."""
     for group in model.tp_groups:
-        pieces = [
-            f"{name!r} {tuple(model.params[name].shape)}"
-            for name, shard in model.sharded.items()
-            if shard.group is group
-        ]
-        if not same_on_every_rank(pieces, Scope(group_rank(group), group_size(group), group)):
+        sharded = [name for name, shard in model.sharded.items() if shard.group is group]
+        pieces = [f"{name!r} {tuple(model.params[name].shape)}" for name in sharded]
+        cuts = [_cut_of(model, name) for name in sharded]
+        shapes, cut_digest = digest_of(pieces), digest_of([str(cut) for cut in cuts])
+        tp_group = Scope(group_rank(group), group_size(group), group)
+        largest, negated_smallest, largest_cuts, negated_smallest_cuts = max_over_ranks(
+            [shapes, -shapes, cut_digest, -cut_digest], tp_group
+        )
+        if largest != -negated_smallest:
             raise ValueError(
                 f"{owner}: the ranks {dist.get_process_group_ranks(group)} of a TP group hold "
                 "TP-sharded pieces of other shapes (or other TP-sharded parameters); this rank's: "
@@ -286,6 +304,48 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
                 "each TP-sharded parameter a size the TP size divides (pad it, as Megatron-Core "
                 "pads its vocabulary), and mark only parameters sharded on every TP rank"
             )
+        if largest_cuts != -negated_smallest_cuts:
+            _refuse_unlike_cuts(sharded, cuts, group, owner)
+
+
+def _cut_of(model: RankModel, name: str) -> tuple[int, str]:
+    """``(partition dim, dtype)`` of the TP-sharded parameter ``name``'s piece on this rank."""
+    return model.sharded[name].dim, str(model.params[name].dtype)
+
+
+def _refuse_unlike_cuts(
+    sharded: list[str], cuts: list[tuple[int, str]], group: Any, owner: str
+) -> None:
+    """``ValueError`` naming the first of ``sharded`` whose :func:`_cut_of` differs over ``group``.
+
+    Every rank's cuts gathered (one ``all_gather_object`` over the TP group), so the message, the
+    same on every rank of the group, names every rank's dim or dtype."""
+    every_rank: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(every_rank, cuts, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    unlike = (
+        (
+            "cut along other dims",
+            "partition_dim ",
+            "its pieces join into one whole along one dim. Give it the same partition_dim on every "
+            "TP rank (the dim its TP pieces are cut along; pgregistry.params.mark_tensor_parallel "
+            "sets it)",
+        ),
+        (
+            "held in other dtypes",
+            "",
+            "its pieces join into one whole of one dtype. Cast the model alike on every TP rank",
+        ),
+    )
+    for index, name in enumerate(sharded):
+        every_cut = zip(*(rank_cuts[index] for rank_cuts in every_rank), strict=True)
+        for values, (what, label, fix) in zip(every_cut, unlike, strict=True):
+            if len(set(values)) > 1:
+                each = ", ".join(f"{v} on rank {r}" for r, v in zip(ranks, values, strict=True))
+                raise ValueError(
+                    f"{owner}: the TP-sharded parameter {name!r} is {what} on the ranks of its TP "
+                    f"group ({label}{each}): {fix}"
+                )
 
 
 def _refuse_dtensors(params: Mapping[str, nn.Parameter], owner: str) -> None:
@@ -338,15 +398,55 @@ def agree_on_rank_model(
     """:func:`rank_model` in a collective save or load over ``scope``, raising on all if on any.
 
     A rank whose model cannot be named must not leave the others waiting in the save's or load's
-    collectives; nor may TP pieces of other shapes reach the gathers
-    (:func:`refuse_unequal_pieces`)."""
+    collectives; nor may TP pieces of other shapes, dims or dtypes reach the gathers
+    (:func:`refuse_unequal_pieces`), nor two pipeline stages name a parameter alike
+    (:func:`copies_named_as_originals_elsewhere`)."""
     elsewhere = ValueError(f"{owner}: another rank's model cannot be checkpointed")
     model = run_agreed_step(
         lambda: rank_model(model_chunks, owner, scope, **naming), elsewhere, scope
     )
     if model.tp_groups:  # alike on every rank: the layout's sizes
         run_agreed_step(lambda: refuse_unequal_pieces(model, owner), elsewhere, scope)
+    if model.pp_group is not None:  # alike on every rank too
+        copies = run_agreed_step(
+            lambda: copies_named_as_originals_elsewhere(model, owner), elsewhere, scope
+        )
+        model = attrs.evolve(model, tied_copies=copies)
     return model
+
+
+def copies_named_as_originals_elsewhere(model: RankModel, owner: str) -> frozenset[str]:
+    """This stage's tied copies named as an original on another stage; refuses names held twice.
+
+    A checkpoint stores each global name once, written by each stage's writer: two stages given one
+    layer offset (``layer_offset`` 0 on both) both wrote ``layers.0.weight``, and
+    ``save_distributed`` kept one of them and gave it to both stages at load, the other stage's
+    weights lost without a word (``load_rank_files`` refused the files as storing a key twice):
+    ``ValueError`` on every rank of the pipeline group. A parameter marked ``shared`` (a tied copy,
+    as Megatron-Core's last stage holds ``embedding.word_embeddings.weight`` for multi-token
+    prediction) may carry its original's name; the original's stage writes it, and a load gives it
+    to both (its copy was written too, and ``load_rank_files`` refused the files). One
+    ``all_gather_object`` of the names over the pipeline group."""
+    names = [(name, bool(getattr(param, "shared", False))) for name, param in model.params.items()]
+    every_stage: list[Any] = [None] * group_size(model.pp_group)
+    dist.all_gather_object(every_stage, names, group=model.pp_group)
+    ranks = dist.get_process_group_ranks(model.pp_group)
+    holders: dict[str, list[int]] = {}
+    for rank, stage_names in zip(ranks, every_stage, strict=True):
+        for name, shared in stage_names:
+            if not shared:
+                holders.setdefault(name, []).append(rank)
+    twice = {name: held for name, held in holders.items() if len(held) > 1}
+    if twice:
+        name, held = next(iter(twice.items()))
+        raise ValueError(
+            f"{owner}: the pipeline stages of ranks {held} all hold a parameter named {name!r} "
+            f"({len(twice)} such name(s)): a checkpoint stores each global name once, so one "
+            "stage's would be kept for all. Give each pipeline chunk its first global layer index "
+            "(chunk.layer_offset, or layer_offsets=[...]), name every other parameter once over "
+            "the pipeline, or mark a tied copy with pgregistry.params.mark_shared"
+        )
+    return frozenset(name for name, shared in names if shared and name in holders)
 
 
 def _state_by_global_name(optimizer: Optimizer, model: RankModel) -> list[tuple[str, ParamState]]:
@@ -375,16 +475,19 @@ def flat_state(
     (``primary_only``: only what this rank writes, so each tensor is stored once over all ranks).
     TP-sharded parameters and their state tensors are gathered whole on every rank of their TP group
     (collective), in one order on every rank: the model's parameter order, then by state key. A
-    state tensor of a TP-sharded parameter that cannot be joined is refused on every rank of its TP
-    groups, before the state's gathers (:func:`_refuse_unjoinable_state`; ``owner`` names the
-    caller); a save agrees on this call's errors over its ranks."""
+    state tensor of a TP-sharded parameter that cannot be joined, or state that differs across its
+    TP ranks in keys, kinds or per-parameter values, is refused on every rank of its TP groups,
+    before the state's gathers (:func:`_refuse_state_unlike_across_tp`,
+    :func:`_refuse_unjoinable_state`; ``owner`` names the caller); a save agrees on this call's
+    errors over its ranks."""
     flat: dict[str, Any] = {}
     for name, param in model.params.items():
         whole = model.whole(name, param)
         if not primary_only or model.writes(name):
             flat[MODEL_PREFIX + name] = whole
-    if optimizer is not None:
-        states = _state_by_global_name(optimizer, model)
+    states = _state_by_global_name(optimizer, model) if optimizer is not None else None
+    _refuse_state_unlike_across_tp(states, model, owner)
+    if states is not None:
         _refuse_unjoinable_state(states, model, owner)
         for name, state in states:
             for key in sorted(state):
@@ -397,6 +500,91 @@ def flat_state(
             if not primary_only or model.writes(name):
                 flat[OPTIMIZED_PREFIX + name] = True
     return flat
+
+
+def _refuse_state_unlike_across_tp(
+    states: list[tuple[str, ParamState]] | None, model: RankModel, owner: str
+) -> None:
+    """``ValueError`` on every rank of a TP group whose ranks hold unlike state of a sharded piece.
+
+    A TP-sharded parameter's pieces are joined into one whole, and its per-parameter values (a 0-d
+    ``step``, a number) are stored once, from TP rank 0, as Megatron-Core stores its common state:
+    a ``step`` of 2 on TP rank 1 beside 1 on TP rank 0 came back 1 on both, Adam's bias correction
+    changed without a word. State held on some TP ranks only (a piece that had no grad there, an
+    optimizer given on some ranks only) sent the ranks into other gathers, which waited for ever.
+    So the ranks of each TP group compare, in one all-reduce of two integers, what they hold of
+    each of their sharded parameters (:func:`_state_held_of`); when it differs, the first
+    difference is named with every rank's (``states`` is ``None`` without an optimizer)."""
+    by_name = dict(states) if states is not None else None
+    for group in model.tp_groups:
+        held = [
+            _state_held_of(name, by_name, model)
+            for name, shard in model.sharded.items()
+            if shard.group is group
+        ]
+        lines = [f"{name!r} {updated}" for name, updated, _ in held] + [
+            f"{name!r} {key!r} {text}" for name, _, by_key in held for key, text in by_key.items()
+        ]
+        tp_group = Scope(group_rank(group), group_size(group), group)
+        if not same_on_every_rank(lines, tp_group):
+            every_rank: list[Any] = [None] * tp_group.size
+            dist.all_gather_object(every_rank, held, group=group)
+            ranks = dist.get_process_group_ranks(group)
+            raise ValueError(f"{owner}: {_first_state_difference(every_rank, ranks)}")
+
+
+def _state_held_of(
+    name: str, states: Mapping[str, ParamState] | None, model: RankModel
+) -> tuple[str, str, dict[str, str]]:
+    """``(name, whether it is updated, {state key: what this rank holds})`` of a sharded piece.
+
+    "updated", "not updated by the optimizer" or "no optimizer given"; a tensor of the piece's
+    shape (gathered whole) by its dtype, a 0-d one by its value and dtype, any other value by its
+    ``repr``."""
+    if states is None or name not in states:
+        return name, "no optimizer given" if states is None else "not updated by the optimizer", {}
+    piece, held = tuple(model.params[name].shape), {}
+    for key, value in sorted(states[name].items()):
+        if not isinstance(value, torch.Tensor):
+            held[key] = repr(value)
+        elif value.dim() == 0:
+            held[key] = f"{value.item()!r} ({value.dtype})"
+        elif tuple(value.shape) == piece:
+            held[key] = f"a {value.dtype} piece"
+        else:
+            held[key] = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return name, "updated", held
+
+
+def _first_state_difference(every_rank: list[Any], ranks: list[int]) -> str:
+    """The first sharded parameter's state that ``every_rank`` holds unlike, each rank's named.
+
+    ``every_rank`` is each TP rank's list of :func:`_state_held_of`, one order on every rank:
+    whether the parameter is updated, then its first state key held unlike (``none`` where a rank
+    lacks it)."""
+    for index, (name, _, _) in enumerate(every_rank[0]):
+        entries = [rank_held[index] for rank_held in every_rank]
+        keys = sorted({key for _, _, held in entries for key in held})
+        rows = [(None, [updated for _, updated, _ in entries])]
+        rows += [(key, [held.get(key, "none") for _, _, held in entries]) for key in keys]
+        for key, texts in rows:
+            if len(set(texts)) > 1:
+                each = "; ".join(f"rank {r}: {text}" for r, text in zip(ranks, texts, strict=True))
+                found = (
+                    f"the TP-sharded parameter {name!r} is updated on some ranks of its TP group "
+                    f"only ({each})"
+                    if key is None
+                    else f"the optimizer state {key!r} of the TP-sharded parameter {name!r} "
+                    f"differs across the ranks of its TP group ({each})"
+                )
+                return (
+                    f"{found}. pgregistry.checkpoint joins its state into one whole and keeps one "
+                    "value of each per-parameter state (as Megatron-Core keeps one step), so every "
+                    "TP rank must hold the same state keys and values: step one optimizer alike "
+                    "on every TP rank (the same parameters and steps, none skipped on some ranks), "
+                    "then save"
+                )
+    raise AssertionError("the ranks' digests differ, but not what they hold")
 
 
 def _refuse_unjoinable_state(
@@ -504,8 +692,11 @@ def state_by_name(
         TypeError: ``model_chunks`` is not a model or a sequence of model chunks.
         ValueError: a sharded GTP-remat axis (not resharded), an interleaved TP shard, a
             ``partition_dim`` that is no dim of its parameter, two parameters of one global name,
-            or (on every rank) an optimizer state tensor of a TP-sharded parameter of neither its
-            shape nor 0-d (Adafactor's factored state: no whole to join it into).
+            or (on every rank of a TP group) TP pieces of one parameter of other shapes, dtypes or
+            ``partition_dim`` values, an optimizer state tensor of a TP-sharded parameter of
+            neither its shape nor 0-d (Adafactor's factored state: no whole to join it into), or
+            optimizer state of a TP-sharded parameter its TP ranks hold unlike (other keys, a step
+            count of other values, state on some ranks only).
 
     Example:
         On every rank of a 2-rank world (as :func:`pgregistry.testing.run_world` starts it), EP

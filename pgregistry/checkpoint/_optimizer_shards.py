@@ -23,12 +23,14 @@ from pgregistry.checkpoint._agreement import (
     max_over_ranks,
     name_lost_ranks,
     raise_on_every_rank,
+    run_agreed_step,
     same_on_every_rank,
     scope_of,
 )
 from pgregistry.checkpoint._directory import checkpoint_path
 from pgregistry.checkpoint._rank_files import read_rank_contents, write_rank_file
 from pgregistry.checkpoint._strict import check_strict
+from pgregistry.collection import group_size
 from pgregistry.optim._chained import ChainedOptimizer
 from pgregistry.optim._sharded import ShardedOptimizer
 from pgregistry.optim._state_check import first_few_quoted, refuse_faults
@@ -172,6 +174,51 @@ def _require_sharded_children(
     return sharded
 
 
+def _refuse_tp_held(children: list[ShardedOptimizer], owner: str, *, sharded_only: bool) -> None:
+    """``ValueError`` for a parameter held on several TP ranks (expert TP for an expert's).
+
+    A sharded optimizer's pieces are cut by offset from each rank's own flattened tensor, which
+    over TP is each TP rank's copy or piece under one global name: a save's pieces of two TP ranks
+    overlap (the load refused them, naming no TP), so a save refuses any parameter under TP; a load
+    at TP 2 of a TP 1 save gave a TP-sharded parameter's TP rank 1 the first elements of the whole,
+    TP rank 0's rows, as its Adam state and main copy (its weights too) without a word, so a load
+    refuses TP-sharded parameters (``sharded_only``; one replicated over TP loads whole).
+    :func:`~pgregistry.checkpoint.save_rank_files` gathers TP pieces whole."""
+    for child in children:
+        group = child.stats_groups.expt_tp if child.expert else child.stats_groups.tp
+        if group_size(group) == 1:
+            continue
+        for param in child.params:
+            if sharded_only and not getattr(param, "tensor_model_parallel", False):
+                continue
+            axis = "expert TP" if child.expert else "TP"
+            how = "sharded over" if sharded_only else "on"
+            raise ValueError(
+                f"{owner}: the optimizer holds {child.param_name(param)!r} {how} "
+                f"{group_size(group)} {axis} ranks, each rank its own under that name; optimizer "
+                "shards are cut from whole tensors held by one rank each. Checkpoint a TP model's "
+                "optimizer with save_rank_files / load_rank_files (or save_distributed / "
+                "load_distributed), which join its TP pieces whole"
+            )
+
+
+def _other_sizes(whole: Mapping[str, Mapping[str, Any]], child: ShardedOptimizer) -> list[str]:
+    """The parameters of ``child`` whose saved whole (``whole``'s main copy) has another size.
+
+    A piece is cut by offset from the saved whole, so a checkpoint of a larger parameter (a weight
+    of 6 rows loaded into one of 4, a model of another size under the same names) gave each piece
+    the whole's first elements without a word; the piece fits, the whole does not."""
+    faults = []
+    for param in child.params:
+        name = child.param_name(param)
+        if name in whole and whole[name]["main"].numel() != param.numel():
+            faults.append(
+                f"{name!r} holds {whole[name]['main'].numel()} elements in the checkpoint, "
+                f"{param.numel()} here (a model of another size?)"
+            )
+    return faults
+
+
 def _checkpoint_scope(children: list[ShardedOptimizer]) -> Scope:
     """The ranks the optimizer's checkpoint runs over: those of the collection it was built on."""
     return scope_of(children[0].stats_groups.collection)
@@ -188,8 +235,8 @@ def save_optimizer_shards(
     rank of the optimizer's collection (the world, or a module's span) must call it, with a fresh
     directory per checkpoint (it may be the one :func:`save_rank_files` writes the parameters to).
     Hyper-parameters are not stored. The pieces must be whole-tensor pieces held by one rank each,
-    so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards); the
-    loader refuses overlapping pieces.
+    so TP and GTP-remat must be off (unlike :func:`save_rank_files`, which gathers TP shards): a
+    parameter held on several TP ranks is refused; the loader refuses overlapping pieces.
 
     Args:
         directory: a fresh directory for this checkpoint.
@@ -200,8 +247,9 @@ def save_optimizer_shards(
 
     Raises:
         ValueError: two parameters of the optimizer of one name (give it unique names); on every
-            rank, nothing written, an existing checkpoint in ``directory`` or a rank failing to
-            write (its error names the file and the disk).
+            rank, nothing written, a parameter held on several TP (expert TP) ranks, an existing
+            checkpoint in ``directory`` or a rank failing to write (its error names the file and
+            the disk).
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
             directory and the ranks that did not answer named.
 
@@ -221,6 +269,11 @@ def save_optimizer_shards(
             shards[name] = piece
     scope = _checkpoint_scope(children)
     with name_lost_ranks("save_optimizer_shards", directory, scope):
+        run_agreed_step(
+            lambda: _refuse_tp_held(children, "save_optimizer_shards", sharded_only=False),
+            ValueError("save_optimizer_shards: another rank's optimizer holds TP pieces"),
+            scope,
+        )
         return write_rank_file(directory, _OPTIMIZER_FILE, shards, scope)
 
 
@@ -240,16 +293,18 @@ def load_optimizer_shards(
     Args:
         directory: the directory :func:`save_optimizer_shards` wrote.
         optimizer: a :class:`~pgregistry.optim.ShardedOptimizer`, or a chained optimizer of them, on
-            any layout.
+            any layout; a TP-sharded parameter's pieces would be cut from the whole's first
+            elements, so it is refused (one replicated over TP loads whole).
         strict: refuse pieces of a parameter no rank's optimizer holds, as
             :func:`~pgregistry.checkpoint.load_rank_files` does (default); ``False`` loads a subset
             on purpose.
 
     Raises:
-        ValueError: on every rank, before any loads: a parameter of the optimizer not in the
-            checkpoint; with ``strict``, pieces of a parameter no rank's optimizer holds; files that
-            mix checkpoints or saves; a file a rank cannot read; a piece read that is damaged (the
-            file and the piece named).
+        ValueError: on every rank, before any loads: a parameter TP-sharded (expert TP) over
+            several ranks; a parameter of the optimizer not in the checkpoint, or saved with
+            another number of elements (a model of another size); with ``strict``, pieces of a
+            parameter no rank's optimizer holds; files that mix checkpoints or saves; a file a rank
+            cannot read; a piece read that is damaged (the file and the piece named).
         RuntimeError: a rank lost, stuck or killed in one of the call's collectives: the call, the
             directory and the ranks that did not answer named.
 
@@ -266,6 +321,11 @@ def load_optimizer_shards(
         # agree that all of them fit: a child refusing after another loaded would leave a
         # half-loaded optimizer, and loading gathers the restored shards, so a rank raising alone
         # would leave its peers waiting in that collective.
+        run_agreed_step(
+            lambda: _refuse_tp_held(children, "load_optimizer_shards", sharded_only=True),
+            ValueError("load_optimizer_shards: another rank's optimizer holds TP-sharded pieces"),
+            scope,
+        )
         saved: list[str] = []
         held: set[str] = set()
         try:
@@ -290,7 +350,7 @@ def load_optimizer_shards(
                     "shards": cut_optimizer_shards(whole, template),
                 }
                 subject = f"the optimizer shards of {directory} for child {len(loads)}"
-                refuse_faults(subject, child.state_dict_faults(load))
+                refuse_faults(subject, _other_sizes(whole, child) + child.state_dict_faults(load))
                 loads.append(load)
             error = None
         except (ValueError, OSError) as exc:
