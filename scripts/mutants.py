@@ -3015,6 +3015,20 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_swapped_arguments_are_refused_on_every_rank_and_the_old_state_kept",
         ),
     ),
+    Mutant(
+        name="migrate-with-block-imports-dropped-as-unguarded",
+        bug="migrate counts only try statements as guards: an import in a with block (suppress(ImportError)) that "
+        "the rewrite left unused goes when an import of the same package follows it, so where its name is missing "
+        "(an accessor of a later Megatron-Core) the block runs on and its flag says the accessor is there",
+        file="pgregistry/migrate/_rewrite.py",
+        find="    visit_Try = visit_TryStar = visit_With = enter_guard\n"
+        "    leave_Try = leave_TryStar = leave_With = leave_guard\n",
+        replace="    visit_Try = visit_TryStar = enter_guard\n    leave_Try = leave_TryStar = leave_guard\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_in_a_with_block_still_skips_the_rest_of_the_block_where_it_fails",
+        ),
+    ),
 )
 
 

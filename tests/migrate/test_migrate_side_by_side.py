@@ -927,3 +927,34 @@ def test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_get
     seen = _side_by_side(tmp_path, files, expressions)
     assert seen == dict(zip(expressions, ["3", "4"], strict=True)), seen
     assert 'pg_size(self.pg_collection, "tp")' in (tmp_path / "migrated" / "pkg" / "model.py").read_text()
+
+
+def test_an_import_in_a_with_block_still_skips_the_rest_of_the_block_where_it_fails(tmp_path: Path) -> None:
+    """``with contextlib.suppress(ImportError):`` around an import of an accessor some releases lack
+    (``get_expert_tensor_parallel_rank`` came with Megatron-Core 0.10; the stand-in's ``parallel_state`` lacks it),
+    then another import of Megatron-Core and a flag: where the name is missing the original leaves the rest of the
+    block and the flag False. Outside a ``try`` or ``with`` the rewrite drops an import left unused when one of the
+    same package follows it (without Megatron-Core that one fails first, alike); inside a ``with`` that dropped it
+    too, so the block ran on, the flag said True and the function fell back to an accessor that is not there
+    (``AttributeError``). An import in a ``with`` stays, whatever follows it."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/optional.py": """
+            import contextlib
+
+            HAVE_EXPERT_TP = False
+            with contextlib.suppress(ImportError):
+                from megatron.core.parallel_state import get_expert_tensor_parallel_rank
+                from megatron.core.config import Config
+                HAVE_EXPERT_TP = True
+
+            def rank():
+                if HAVE_EXPERT_TP:
+                    return get_expert_tensor_parallel_rank(), Config.name
+                return "no expert TP"
+        """,
+    }
+    optional = "__import__('pkg.optional').optional"
+    expressions = [f"{optional}.HAVE_EXPERT_TP", f"{optional}.rank()"]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["False", "'no expert TP'"], strict=True)), seen
