@@ -3029,6 +3029,49 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_an_import_in_a_with_block_still_skips_the_rest_of_the_block_where_it_fails",
         ),
     ),
+    Mutant(
+        name="migrate-match-capture-read-as-parallel-state",
+        bug="migrate takes a name a match statement captures (case ps:) for the parallel_state imported as ps: the "
+        "read of the user's object becomes a read of the global grid",
+        file="pgregistry/migrate/_captures.py",
+        find="    return list(_captures_by_scope(syntax, None))\n",
+        replace="    return []\n",
+        tests=(
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "hostile:hostile.shapes.on_a_match_capture-a]",
+            "tests/migrate/test_migrate_only_parallel_state.py::"
+            "test_names_a_lambda_a_comprehension_or_a_match_binds_are_not_parallel_state",
+        ),
+    ),
+    Mutant(
+        name="migrate-one-binding-of-the-alias-decides",
+        bug="migrate rewrites a read whose name one import binds to parallel_state and another to a user's module "
+        "(if use_fake: from pkg import fake_mpu as mpu / else: from megatron.core import parallel_state as mpu): "
+        "the stand-in's answers become the grid's",
+        file="pgregistry/migrate/_plan.py",
+        find="name is not None and _names_within(imported, m) and len(imported)",
+        replace="name is not None and len(imported)",
+        tests=(
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "hostile:hostile.shapes.on_a_fallback_import[stand-in]-a]",
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_name_bound_to_another_module_than_megatron_cores_parallel_state_is_not_read_as_it",
+        ),
+    ),
+    Mutant(
+        name="migrate-any-parallel-state-module-read-as-megatron-cores",
+        bug="migrate, under the default names, rewrites reads of vLLM's or Apex's parallel_state into reads of "
+        "Megatron-Core's, which the fallback helper reads: another module's globals",
+        file="pgregistry/migrate/_plan.py",
+        find="    if not bound or bound & set(_MEGATRON_STATE):\n",
+        replace="    if True:\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_name_bound_to_another_module_than_megatron_cores_parallel_state_is_not_read_as_it",
+            "tests/migrate/test_migrate_only_parallel_state.py::"
+            "test_under_the_default_names_another_module_named_parallel_state_is_not_megatron_cores",
+        ),
+    ),
 )
 
 

@@ -50,6 +50,7 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
+from pgregistry._source.config import ScanConfig
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import (
     CALL,
@@ -62,6 +63,7 @@ from pgregistry._source.scanner import (
     absolute_module,
     attribute_chain,
 )
+from pgregistry.migrate._captures import match_capture_owner, match_captures
 from pgregistry.migrate._caught import CAUGHT_REASON, calls_a_handler_may_catch
 from pgregistry.migrate._facts import names_bound_twice, spec_field_of_call
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
@@ -918,11 +920,14 @@ def _imports_the_module(
     module, _, attribute = bound.partition(":")
     module = _absolute_module(module, package)
     target = f"{module}.{attribute}" if attribute else module
-    return (
-        facts.is_state_module(target) is not None
-        or bool(attribute)
-        and facts.is_state_module(module) is not None
-    )
+    if facts.is_state_module(target) is not None:
+        state = target
+    elif attribute and facts.is_state_module(module) is not None:
+        state = module
+    else:
+        return False
+    # the default names: only Megatron-Core's passes unresolved (:func:`_another_parallel_state`)
+    return facts.state_modules != ScanConfig().modules or state in _MEGATRON_STATE
 
 
 def _statement_scopes(
@@ -1005,6 +1010,13 @@ def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None
     return function.qualname if function is not None else None
 
 
+#: Megatron-Core's ``parallel_state`` (``megatron.core.mpu`` is the same module): what the fallback
+#: helper reads when it falls back.
+_MEGATRON_STATE = ("megatron.core.parallel_state", "megatron.core.mpu")
+#: The comprehensions: each binds its targets in a scope of its own.
+_COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
+
+
 def _not_parallel_state(
     read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts, package: list[str]
 ) -> str | None:
@@ -1027,7 +1039,12 @@ def _not_parallel_state(
     what = f"an attribute of `{head.value}`, " if target is not head else ""
     for assignment in scope[head.value]:
         if not isinstance(assignment, ImportAssignment):
-            owner = _owner_of(read.function, getattr(assignment.scope, "node", None))
+            node = getattr(assignment.scope, "node", None)
+            owner = _owner_of(read.function, node)
+            if isinstance(node, (cst.Lambda, *_COMPREHENSIONS)):  # a scope of their own, unnamed
+                inner = "a lambda" if isinstance(node, cst.Lambda) else "a comprehension"
+                around = read.function.qualname if read.function is not None else "the module"
+                owner = f"{inner} in {around}"
             if isinstance(assignment, Assignment) and isinstance(assignment.node, cst.Param):
                 return f"`{spelled}` is {what}a parameter of {owner}, not parallel_state"
             where = f"{owner} assigns" if owner else "the module assigns"
@@ -1042,12 +1059,61 @@ def _not_parallel_state(
         ]
         modules = [q.rpartition(".")[0] for q in qualified]
         matched = [(m, facts.is_state_module(m)) for m in modules]
-        # The configured name must be named by the import, not only by attributes after it:
+        # The configured name must be named by this import, not only by attributes after it:
         # ``groups.mpu`` with ``from deepspeed.utils import groups`` is a global of that module, not
-        # a module ``mpu``.
-        if not any(name is not None and len(imported) > len(m) - len(name) for m, name in matched):
+        # a module ``mpu``. Each import binding the name must: ``try: from megatron.core import
+        # parallel_state as mpu`` / ``except ImportError: from pkg import fake_mpu as mpu``.
+        if not any(
+            name is not None and _names_within(imported, m) and len(imported) > len(m) - len(name)
+            for m, name in matched
+        ):
             return f"`{spelled}` is {what}imported from {imported}, not parallel_state"
+        other = _another_parallel_state(imported, matched, facts)
+        if other is not None:
+            return (
+                f"`{spelled}` is {what}imported from {other}, not Megatron-Core's parallel_state, "
+                "which the fallback helper would read instead"
+            )
     return None
+
+
+def _why_a_match_may_bind(read: Read, captures: list[tuple[str, ast.AST | None]]) -> str | None:
+    """Why the object of ``read`` may be what a ``match`` captured (``case ps:``), or None.
+
+    libcst's scopes miss such a binding (:mod:`~pgregistry.migrate._captures`); ``captures``: the
+    file's :func:`~pgregistry.migrate._captures.match_captures`."""
+    head = _call_head_name(read)
+    owner = match_capture_owner(captures, head, read.site.line) if head else None
+    if owner is None:
+        return None
+    return (
+        f"`{head}` is a name a match statement in {owner} captures, not an import of parallel_state"
+    )
+
+
+def _another_parallel_state(
+    imported: str, matched: Sequence[tuple[str, str | None]], facts: TreeFacts
+) -> str | None:
+    """The module named like ``parallel_state`` that an import of ``imported`` binds, or None.
+
+    Only under the default names (``parallel_state``, ``mpu`` anywhere), which also match vLLM's
+    ``vllm.distributed.parallel_state`` (NeMo RL imports it), Apex's
+    ``apex.transformer.parallel_state`` or a tree's own copy: their globals are not Megatron-Core's,
+    which the fallback helper reads. None where the import binds Megatron-Core's (``matched``: the
+    read's module and its configured name, per qualified name), or a module the user configured."""
+    if facts.state_modules != ScanConfig().modules:
+        return None
+    bound = {m for m, name in matched if name is not None and _names_within(imported, m)}
+    if not bound or bound & set(_MEGATRON_STATE):
+        return None
+    return min(bound)
+
+
+def _names_within(imported: str, module: str) -> bool:
+    """Whether an import naming ``imported`` binds ``module``, a package of it or a name in it."""
+    return (
+        imported == module or module.startswith(imported + ".") or imported.startswith(module + ".")
+    )
 
 
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
@@ -1577,6 +1643,7 @@ def plan_file(
     ambiguous = [read for read in legacy if _call_head_name(read) in heads]
     scopes = _statement_scopes(source, ambiguous) if ambiguous else {}
     caught = calls_a_handler_may_catch(module_syntax)
+    captures = match_captures(module_syntax) if legacy else []
     for read in reads:  # first, as a shim's local named like the collection is no collection then
         if read.call is not None and read.site.family == SHIM and read.function is not None:
             kept = (kept_shims or {}).get((read.site.line, read.site.col))
@@ -1591,7 +1658,9 @@ def plan_file(
         if read.site.family == SHIM and read.reason:
             reason = read.reason
         if reason is None and read.site.family == LEGACY:
-            reason = _not_parallel_state(read, scopes, facts, package)
+            reason = _not_parallel_state(read, scopes, facts, package) or _why_a_match_may_bind(
+                read, captures
+            )
         if reason is None and (read.site.line, read.site.col) in caught:
             reason = CAUGHT_REASON
         if reason is None and read.function is None:
