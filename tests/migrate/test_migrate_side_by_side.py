@@ -965,9 +965,9 @@ def test_a_name_bound_to_another_module_than_megatron_cores_parallel_state_is_no
     """Under the default names (no ``--preset``: any module named ``parallel_state`` or ``mpu``), vLLM's
     ``vllm.distributed.parallel_state`` (NeMo RL imports it) was rewritten into reads of Megatron-Core's grid, which
     the fallback helper reads: another module's globals. And where ``try: from megatron.core import parallel_state as
-    mpu`` falls back to ``except ImportError: from pkg import cpu_mpu as mpu``, the read was rewritten for the one
-    binding alone: without Megatron-Core the helper failed where the original answered from the user's module. Both
-    stay, with the reason; the read of Megatron-Core's own module beside them is rewritten."""
+    mpu`` falls back to ``except ImportError: from pkg.testing import cpu_stand_in as mpu``, the read was rewritten
+    for the one binding alone: without Megatron-Core the helper failed where the original answered from the user's
+    module. Both stay, with the reason; the read of Megatron-Core's own module beside them is rewritten."""
     files = {
         "pkg/__init__.py": "",
         "pkg/inference.py": """
@@ -981,12 +981,13 @@ def test_a_name_bound_to_another_module_than_megatron_cores_parallel_state_is_no
             try:
                 from megatron.core import parallel_state as mpu
             except ImportError:
-                from pkg import cpu_mpu as mpu
+                from pkg.testing import cpu_stand_in as mpu
 
             def size():
                 return mpu.get_tensor_model_parallel_world_size()
         """,
-        "pkg/cpu_mpu.py": """
+        "pkg/testing/__init__.py": "",
+        "pkg/testing/cpu_stand_in.py": """
             def get_tensor_model_parallel_world_size():
                 return 1
         """,

@@ -1,6 +1,7 @@
 """Reads of parallel_state in the shapes real trees write them (issue 40, the hostile probe)."""
 
 import functools
+import inspect
 
 import megatron.core.parallel_state as mpu_module
 import torch
@@ -126,3 +127,19 @@ def on_a_fallback_import(use_fake):
     else:
         from megatron.core import parallel_state as mpu
     return mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+
+
+def hybrid_stack_spec():
+    return "stack spec", ps.get_tensor_model_parallel_world_size()
+
+
+def resolve_stack_spec(stack_spec):
+    # Megatron-Bridge 0.6.2's MambaModelProvider: a stack spec is called with the config when it takes parameters
+    if len(inspect.signature(stack_spec).parameters) > 0:
+        return stack_spec("config")
+    return stack_spec()
+
+
+def build_with_the_default_spec():
+    spec = resolve_stack_spec(hybrid_stack_spec)
+    return spec, hybrid_stack_spec()  # called by name too, so the tool threads it
