@@ -3072,6 +3072,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_under_the_default_names_another_module_named_parallel_state_is_not_megatron_cores",
         ),
     ),
+    Mutant(
+        name="migrate-module-own-accessor-read-as-parallel-states",
+        bug="migrate takes a module's own def of an accessor's name (get_tensor_model_parallel_rank over a star "
+        "import of parallel_state) for parallel_state's: the fork's answer becomes the grid's",
+        file="pgregistry/migrate/_plan.py",
+        find="defined = heads & _module_level_definitions(module_syntax) if ambiguous else set()",
+        replace="defined: set[str] = set()",
+        tests=(
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "hostile:hostile.overrides.own_and_star_ranks-a]",
+        ),
+    ),
 )
 
 

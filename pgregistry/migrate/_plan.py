@@ -900,6 +900,9 @@ def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]])
         rb"|(?:[(\[,*]|\b(?:for|as|global|nonlocal|del|lambda|def|class))[ \t\n\\]*"
         + name
         + rb"\b(?![ \t]*[.(])"
+        rb"|\b(?:def|class)[ \t]+"
+        + name
+        + rb"\b"  # a definition of the name: a module's own accessor
     )
     return any(
         not any(start <= match.start() < end for start, end in imports)
@@ -931,13 +934,15 @@ def _imports_the_module(
 
 
 def _statement_scopes(
-    source: cst.Module, reads: Sequence[Read]
+    source: cst.Module, reads: Sequence[Read], defined: AbstractSet[str]
 ) -> Mapping[cst.CSTNode, Scope | None]:
     """libcst's scopes of the statements holding ``reads``, resolved on a module of them.
 
     Of a module-level class, only its members that hold reads (a method does not see its class's
     names); with every module-level statement that is no definition (the imports and globals their
-    names may be bound to). The whole file's would cost three times its parse."""
+    names may be bound to), and an assignment standing for each module-level definition named in
+    ``defined`` (a read's name that the module defines: its own ``get_x`` over a star import's; the
+    skeleton stands a placeholder in for it). The whole file's would cost three times its parse."""
     members: dict[int, set[int]] = {}
     for read in reads:
         members.setdefault(read.top, set()).add(read.member)
@@ -960,6 +965,7 @@ def _statement_scopes(
             stripped = statement.visit(_WithoutDefinitions())
             if isinstance(stripped, cst.BaseStatement):
                 body.append(stripped)
+    body += [cst.parse_statement(f"{name} = None") for name in sorted(defined)]
     return MetadataWrapper(source.with_changes(body=body), unsafe_skip_copy=True).resolve(
         ScopeProvider
     )
@@ -983,6 +989,19 @@ class _WithoutDefinitions(cst.CSTTransformer):
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
     ) -> cst.RemovalSentinel:
         return cst.RemoveFromParent()
+
+
+def _module_level_definitions(syntax: ast.Module) -> set[str]:
+    """The names the module's ``def`` / ``class`` statements bind (in its ``if`` / ``try`` too)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = list(syntax.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.stmt, ast.excepthandler, ast.match_case)):
+            stack.extend(ast.iter_child_nodes(node))
+    return names
 
 
 def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str:
@@ -1641,7 +1660,8 @@ def plan_file(
         or not _imports_the_module(head, locator.bindings, facts, package)
     }
     ambiguous = [read for read in legacy if _call_head_name(read) in heads]
-    scopes = _statement_scopes(source, ambiguous) if ambiguous else {}
+    defined = heads & _module_level_definitions(module_syntax) if ambiguous else set()
+    scopes = _statement_scopes(source, ambiguous, defined) if ambiguous else {}
     caught = calls_a_handler_may_catch(module_syntax)
     captures = match_captures(module_syntax) if legacy else []
     for read in reads:  # first, as a shim's local named like the collection is no collection then

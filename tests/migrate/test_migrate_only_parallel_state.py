@@ -224,3 +224,32 @@ def test_under_the_default_names_another_module_named_parallel_state_is_not_mega
             "Megatron-Core's parallel_state, which the fallback helper would read instead",
         (10, "parallel_state.get_tensor_model_parallel_rank"): "threaded",
     }
+
+
+def test_a_modules_own_definition_of_an_accessors_name_is_not_parallel_states(tmp_path: Path) -> None:
+    """A fork's module that star-imports parallel_state and defines its own ``get_tensor_model_parallel_rank``: a
+    ``def`` bound the name where the text check looked for assignments only, and the skeleton stood a placeholder in
+    for the definition, so libcst's scopes found none; the read became the grid's."""
+    source = """\
+    from megatron.core.parallel_state import *  # noqa: F403
+
+
+    if True:
+        class get_pipeline_model_parallel_rank:  # noqa: N801
+            pass
+
+
+    def get_tensor_model_parallel_rank():
+        return 99
+
+
+    def f():
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), get_pipeline_model_parallel_rank()
+    """
+    assert ways(run(tmp_path, {"m.py": source})) == {
+        (14, "get_tensor_model_parallel_rank"):
+            "left: `get_tensor_model_parallel_rank` is a name the module assigns, not an import of parallel_state",
+        (14, "get_tensor_model_parallel_world_size"): "threaded",
+        (14, "get_pipeline_model_parallel_rank"):
+            "left: `get_pipeline_model_parallel_rank` is a name the module assigns, not an import of parallel_state",
+    }
