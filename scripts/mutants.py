@@ -3082,6 +3082,8 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(
             "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
             "hostile:hostile.overrides.own_and_star_ranks-a]",
+            "tests/migrate/test_migrate_only_parallel_state.py::"
+            "test_a_modules_own_definition_of_an_accessors_name_is_not_parallel_states",
         ),
     ),
 )

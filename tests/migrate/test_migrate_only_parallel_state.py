@@ -244,12 +244,13 @@ def test_a_modules_own_definition_of_an_accessors_name_is_not_parallel_states(tm
 
 
     def f():
-        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), get_pipeline_model_parallel_rank()
+        rank = get_tensor_model_parallel_rank()
+        return rank, get_tensor_model_parallel_world_size(), get_pipeline_model_parallel_rank()
     """
     assert ways(run(tmp_path, {"m.py": source})) == {
         (14, "get_tensor_model_parallel_rank"):
             "left: `get_tensor_model_parallel_rank` is a name the module assigns, not an import of parallel_state",
-        (14, "get_tensor_model_parallel_world_size"): "threaded",
-        (14, "get_pipeline_model_parallel_rank"):
+        (15, "get_tensor_model_parallel_world_size"): "threaded",
+        (15, "get_pipeline_model_parallel_rank"):
             "left: `get_pipeline_model_parallel_rank` is a name the module assigns, not an import of parallel_state",
     }
