@@ -3142,6 +3142,77 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/experts/test_checkpoint_names_on_two_stages.py::"
                "test_two_stages_naming_one_parameter_are_refused_on_every_rank_not_one_kept_for_both",),
     ),
+    Mutant(
+        name="migrate-with-block-imports-dropped-as-unguarded",
+        bug="migrate counts only try statements as guards: an import in a with block (suppress(ImportError)) that "
+        "the rewrite left unused goes when an import of the same package follows it, so where its name is missing "
+        "(an accessor of a later Megatron-Core) the block runs on and its flag says the accessor is there",
+        file="pgregistry/migrate/_rewrite.py",
+        find="    visit_Try = visit_TryStar = visit_With = enter_guard\n"
+        "    leave_Try = leave_TryStar = leave_With = leave_guard\n",
+        replace="    visit_Try = visit_TryStar = enter_guard\n    leave_Try = leave_TryStar = leave_guard\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_an_import_in_a_with_block_still_skips_the_rest_of_the_block_where_it_fails",
+        ),
+    ),
+    Mutant(
+        name="migrate-match-capture-read-as-parallel-state",
+        bug="migrate takes a name a match statement captures (case ps:) for the parallel_state imported as ps: the "
+        "read of the user's object becomes a read of the global grid",
+        file="pgregistry/migrate/_captures.py",
+        find="    return list(_captures_by_scope(syntax, None))\n",
+        replace="    return []\n",
+        tests=(
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "hostile:hostile.shapes.on_a_match_capture-a]",
+            "tests/migrate/test_migrate_only_parallel_state.py::"
+            "test_names_a_lambda_a_comprehension_or_a_match_binds_are_not_parallel_state",
+        ),
+    ),
+    Mutant(
+        name="migrate-one-binding-of-the-alias-decides",
+        bug="migrate rewrites a read whose name one import binds to parallel_state and another to a user's module "
+        "(if use_fake: from pkg import fake_mpu as mpu / else: from megatron.core import parallel_state as mpu): "
+        "the stand-in's answers become the grid's",
+        file="pgregistry/migrate/_plan.py",
+        find="name is not None and _names_within(imported, m) and len(imported)",
+        replace="name is not None and len(imported)",
+        tests=(
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "hostile:hostile.shapes.on_a_fallback_import[stand-in]-a]",
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_name_bound_to_another_module_than_megatron_cores_parallel_state_is_not_read_as_it",
+        ),
+    ),
+    Mutant(
+        name="migrate-any-parallel-state-module-read-as-megatron-cores",
+        bug="migrate, under the default names, rewrites reads of vLLM's or Apex's parallel_state into reads of "
+        "Megatron-Core's, which the fallback helper reads: another module's globals",
+        file="pgregistry/migrate/_plan.py",
+        find="    if not bound or bound & set(_MEGATRON_STATE):\n",
+        replace="    if True:\n",
+        tests=(
+            "tests/migrate/test_migrate_side_by_side.py::"
+            "test_a_name_bound_to_another_module_than_megatron_cores_parallel_state_is_not_read_as_it",
+            "tests/migrate/test_migrate_only_parallel_state.py::"
+            "test_under_the_default_names_another_module_named_parallel_state_is_not_megatron_cores",
+        ),
+    ),
+    Mutant(
+        name="migrate-module-own-accessor-read-as-parallel-states",
+        bug="migrate takes a module's own def of an accessor's name (get_tensor_model_parallel_rank over a star "
+        "import of parallel_state) for parallel_state's: the fork's answer becomes the grid's",
+        file="pgregistry/migrate/_plan.py",
+        find="defined = heads & _module_level_definitions(module_syntax) if ambiguous else set()",
+        replace="defined: set[str] = set()",
+        tests=(
+            "tests/migrate/test_migrate_differential.py::test_the_migrated_function_behaves_as_the_original["
+            "hostile:hostile.overrides.own_and_star_ranks-a]",
+            "tests/migrate/test_migrate_only_parallel_state.py::"
+            "test_a_modules_own_definition_of_an_accessors_name_is_not_parallel_states",
+        ),
+    ),
 )
 
 

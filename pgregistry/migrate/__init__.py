@@ -26,7 +26,8 @@ them:
   fallback helper reproduces: :mod:`~pgregistry.migrate._virtual_stages`);
 - :mod:`~pgregistry.migrate._plan`: each read's way (collection in scope, threaded, fallback, left)
   and which calls pass a collection (a read a handler around it may catch the warning of stays:
-  :mod:`~pgregistry.migrate._caught`);
+  :mod:`~pgregistry.migrate._caught`; so does one on a name a ``match`` captures:
+  :mod:`~pgregistry.migrate._captures`);
 - :mod:`~pgregistry.migrate._shims`: which ``use_mpu_process_groups`` shims become the reads of
   their fields;
 - :mod:`~pgregistry.migrate._idioms`: what a read becomes in each target's code (a call of the

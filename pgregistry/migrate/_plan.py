@@ -50,6 +50,7 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
+from pgregistry._source.config import ScanConfig
 from pgregistry._source.fields import GTP_REMAT_DP, FieldChoice, collection_field
 from pgregistry._source.scanner import (
     CALL,
@@ -62,6 +63,7 @@ from pgregistry._source.scanner import (
     absolute_module,
     attribute_chain,
 )
+from pgregistry.migrate._captures import match_capture_owner, match_captures
 from pgregistry.migrate._caught import CAUGHT_REASON, calls_a_handler_may_catch
 from pgregistry.migrate._facts import names_bound_twice, spec_field_of_call
 from pgregistry.migrate._shims import Dissolved, dissolve_shim
@@ -898,6 +900,9 @@ def _bound_otherwise(head: str, data: bytes, imports: Sequence[tuple[int, int]])
         rb"|(?:[(\[,*]|\b(?:for|as|global|nonlocal|del|lambda|def|class))[ \t\n\\]*"
         + name
         + rb"\b(?![ \t]*[.(])"
+        rb"|\b(?:def|class)[ \t]+"
+        + name
+        + rb"\b"  # a definition of the name: a module's own accessor
     )
     return any(
         not any(start <= match.start() < end for start, end in imports)
@@ -918,21 +923,26 @@ def _imports_the_module(
     module, _, attribute = bound.partition(":")
     module = _absolute_module(module, package)
     target = f"{module}.{attribute}" if attribute else module
-    return (
-        facts.is_state_module(target) is not None
-        or bool(attribute)
-        and facts.is_state_module(module) is not None
-    )
+    if facts.is_state_module(target) is not None:
+        state = target
+    elif attribute and facts.is_state_module(module) is not None:
+        state = module
+    else:
+        return False
+    # the default names: only Megatron-Core's passes unresolved (:func:`_another_parallel_state`)
+    return facts.state_modules != ScanConfig().modules or state in _MEGATRON_STATE
 
 
 def _statement_scopes(
-    source: cst.Module, reads: Sequence[Read]
+    source: cst.Module, reads: Sequence[Read], defined: AbstractSet[str]
 ) -> Mapping[cst.CSTNode, Scope | None]:
     """libcst's scopes of the statements holding ``reads``, resolved on a module of them.
 
     Of a module-level class, only its members that hold reads (a method does not see its class's
     names); with every module-level statement that is no definition (the imports and globals their
-    names may be bound to). The whole file's would cost three times its parse."""
+    names may be bound to), and an assignment standing for each module-level definition named in
+    ``defined`` (a read's name that the module defines: its own ``get_x`` over a star import's; the
+    skeleton stands a placeholder in for it). The whole file's would cost three times its parse."""
     members: dict[int, set[int]] = {}
     for read in reads:
         members.setdefault(read.top, set()).add(read.member)
@@ -955,6 +965,7 @@ def _statement_scopes(
             stripped = statement.visit(_WithoutDefinitions())
             if isinstance(stripped, cst.BaseStatement):
                 body.append(stripped)
+    body += [cst.parse_statement(f"{name} = None") for name in sorted(defined)]
     return MetadataWrapper(source.with_changes(body=body), unsafe_skip_copy=True).resolve(
         ScopeProvider
     )
@@ -978,6 +989,19 @@ class _WithoutDefinitions(cst.CSTTransformer):
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
     ) -> cst.RemovalSentinel:
         return cst.RemoveFromParent()
+
+
+def _module_level_definitions(syntax: ast.Module) -> set[str]:
+    """The names the module's ``def`` / ``class`` statements bind (in its ``if`` / ``try`` too)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = list(syntax.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.stmt, ast.excepthandler, ast.match_case)):
+            stack.extend(ast.iter_child_nodes(node))
+    return names
 
 
 def _import_target_name(assignment: ImportAssignment, package: list[str]) -> str:
@@ -1005,6 +1029,13 @@ def _owner_of(function: Function | None, node: cst.CSTNode | None) -> str | None
     return function.qualname if function is not None else None
 
 
+#: Megatron-Core's ``parallel_state`` (``megatron.core.mpu`` is the same module): what the fallback
+#: helper reads when it falls back.
+_MEGATRON_STATE = ("megatron.core.parallel_state", "megatron.core.mpu")
+#: The comprehensions: each binds its targets in a scope of its own.
+_COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
+
+
 def _not_parallel_state(
     read: Read, scopes: Mapping[cst.CSTNode, Scope | None], facts: TreeFacts, package: list[str]
 ) -> str | None:
@@ -1027,7 +1058,12 @@ def _not_parallel_state(
     what = f"an attribute of `{head.value}`, " if target is not head else ""
     for assignment in scope[head.value]:
         if not isinstance(assignment, ImportAssignment):
-            owner = _owner_of(read.function, getattr(assignment.scope, "node", None))
+            node = getattr(assignment.scope, "node", None)
+            owner = _owner_of(read.function, node)
+            if isinstance(node, (cst.Lambda, *_COMPREHENSIONS)):  # a scope of their own, unnamed
+                inner = "a lambda" if isinstance(node, cst.Lambda) else "a comprehension"
+                around = read.function.qualname if read.function is not None else "the module"
+                owner = f"{inner} in {around}"
             if isinstance(assignment, Assignment) and isinstance(assignment.node, cst.Param):
                 return f"`{spelled}` is {what}a parameter of {owner}, not parallel_state"
             where = f"{owner} assigns" if owner else "the module assigns"
@@ -1042,12 +1078,61 @@ def _not_parallel_state(
         ]
         modules = [q.rpartition(".")[0] for q in qualified]
         matched = [(m, facts.is_state_module(m)) for m in modules]
-        # The configured name must be named by the import, not only by attributes after it:
+        # The configured name must be named by this import, not only by attributes after it:
         # ``groups.mpu`` with ``from deepspeed.utils import groups`` is a global of that module, not
-        # a module ``mpu``.
-        if not any(name is not None and len(imported) > len(m) - len(name) for m, name in matched):
+        # a module ``mpu``. Each import binding the name must: ``try: from megatron.core import
+        # parallel_state as mpu`` / ``except ImportError: from pkg import fake_mpu as mpu``.
+        if not any(
+            name is not None and _names_within(imported, m) and len(imported) > len(m) - len(name)
+            for m, name in matched
+        ):
             return f"`{spelled}` is {what}imported from {imported}, not parallel_state"
+        other = _another_parallel_state(imported, matched, facts)
+        if other is not None:
+            return (
+                f"`{spelled}` is {what}imported from {other}, not Megatron-Core's parallel_state, "
+                "which the fallback helper would read instead"
+            )
     return None
+
+
+def _why_a_match_may_bind(read: Read, captures: list[tuple[str, ast.AST | None]]) -> str | None:
+    """Why the object of ``read`` may be what a ``match`` captured (``case ps:``), or None.
+
+    libcst's scopes miss such a binding (:mod:`~pgregistry.migrate._captures`); ``captures``: the
+    file's :func:`~pgregistry.migrate._captures.match_captures`."""
+    head = _call_head_name(read)
+    owner = match_capture_owner(captures, head, read.site.line) if head else None
+    if owner is None:
+        return None
+    return (
+        f"`{head}` is a name a match statement in {owner} captures, not an import of parallel_state"
+    )
+
+
+def _another_parallel_state(
+    imported: str, matched: Sequence[tuple[str, str | None]], facts: TreeFacts
+) -> str | None:
+    """The module named like ``parallel_state`` that an import of ``imported`` binds, or None.
+
+    Only under the default names (``parallel_state``, ``mpu`` anywhere), which also match vLLM's
+    ``vllm.distributed.parallel_state`` (NeMo RL imports it), Apex's
+    ``apex.transformer.parallel_state`` or a tree's own copy: their globals are not Megatron-Core's,
+    which the fallback helper reads. None where the import binds Megatron-Core's (``matched``: the
+    read's module and its configured name, per qualified name), or a module the user configured."""
+    if facts.state_modules != ScanConfig().modules:
+        return None
+    bound = {m for m, name in matched if name is not None and _names_within(imported, m)}
+    if not bound or bound & set(_MEGATRON_STATE):
+        return None
+    return min(bound)
+
+
+def _names_within(imported: str, module: str) -> bool:
+    """Whether an import naming ``imported`` binds ``module``, a package of it or a name in it."""
+    return (
+        imported == module or module.startswith(imported + ".") or imported.startswith(module + ".")
+    )
 
 
 def _fills_a_field(function: Function, read: Read, name: str) -> bool:
@@ -1575,8 +1660,10 @@ def plan_file(
         or not _imports_the_module(head, locator.bindings, facts, package)
     }
     ambiguous = [read for read in legacy if _call_head_name(read) in heads]
-    scopes = _statement_scopes(source, ambiguous) if ambiguous else {}
+    defined = heads & _module_level_definitions(module_syntax) if ambiguous else set()
+    scopes = _statement_scopes(source, ambiguous, defined) if ambiguous else {}
     caught = calls_a_handler_may_catch(module_syntax)
+    captures = match_captures(module_syntax) if legacy else []
     for read in reads:  # first, as a shim's local named like the collection is no collection then
         if read.call is not None and read.site.family == SHIM and read.function is not None:
             kept = (kept_shims or {}).get((read.site.line, read.site.col))
@@ -1591,7 +1678,9 @@ def plan_file(
         if read.site.family == SHIM and read.reason:
             reason = read.reason
         if reason is None and read.site.family == LEGACY:
-            reason = _not_parallel_state(read, scopes, facts, package)
+            reason = _not_parallel_state(read, scopes, facts, package) or _why_a_match_may_bind(
+                read, captures
+            )
         if reason is None and (read.site.line, read.site.col) in caught:
             reason = CAUGHT_REASON
         if reason is None and read.function is None:

@@ -163,3 +163,94 @@ def test_a_configured_module_is_parallel_state_and_another_module_of_that_name_i
         (6, "holder.state.get_pipeline_model_parallel_group"):
             "left: `holder.state` is an attribute of `holder`, imported from other.holder, not parallel_state",
     }
+
+
+def test_names_a_lambda_a_comprehension_or_a_match_binds_are_not_parallel_state(tmp_path: Path) -> None:
+    """libcst's scopes name no function for a lambda's or a comprehension's own scope (the report said "a parameter
+    of None", "the module assigns"), and record no binding of a ``match`` capture (``case ps:`` was rewritten into a
+    read of the grid: the hostile probe of the rewrite)."""
+    source = """\
+    from megatron.core import parallel_state as ps
+
+
+    def f(obj, objs):
+        by_lambda = (lambda ps: ps.get_tensor_model_parallel_rank())(obj)
+        return by_lambda, [ps.get_tensor_model_parallel_world_size() for ps in objs]
+
+
+    def g(obj):
+        match obj:
+            case [*ps]:
+                return ps
+            case ps:
+                return ps.get_tensor_model_parallel_rank()
+
+
+    def real():
+        return ps.get_tensor_model_parallel_rank()
+    """
+    assert ways(run(tmp_path, {"m.py": source})) == {
+        (5, "ps.get_tensor_model_parallel_rank"): "left: `ps` is a parameter of a lambda in f, not parallel_state",
+        (6, "ps.get_tensor_model_parallel_world_size"):
+            "left: `ps` is a name a comprehension in f assigns, not an import of parallel_state",
+        (14, "ps.get_tensor_model_parallel_rank"):
+            "left: `ps` is a name a match statement in g captures, not an import of parallel_state",
+        (18, "ps.get_tensor_model_parallel_rank"): "threaded",
+    }
+
+
+def test_under_the_default_names_another_module_named_parallel_state_is_not_megatron_cores(tmp_path: Path) -> None:
+    """The default names match any module called ``parallel_state`` or ``mpu``; the fallback helper reads Megatron-
+    Core's. vLLM's, Apex's, old Megatron-LM's ``megatron.mpu`` and a tree's own copy have globals of their own."""
+    source = """\
+    from apex.transformer import parallel_state as apex_ps
+    from megatron.core import parallel_state
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+
+    def f():
+        return (
+            apex_ps.get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+        )
+    """
+    assert ways(run(tmp_path, {"m.py": source}, ScanConfig())) == {
+        (8, "apex_ps.get_tensor_model_parallel_rank"):
+            "left: `apex_ps` is imported from apex.transformer.parallel_state, not Megatron-Core's parallel_state, "
+            "which the fallback helper would read instead",
+        (9, "get_tensor_model_parallel_rank"):
+            "left: `get_tensor_model_parallel_rank` is imported from vllm.distributed.parallel_state, not "
+            "Megatron-Core's parallel_state, which the fallback helper would read instead",
+        (10, "parallel_state.get_tensor_model_parallel_rank"): "threaded",
+    }
+
+
+def test_a_modules_own_definition_of_an_accessors_name_is_not_parallel_states(tmp_path: Path) -> None:
+    """A fork's module that star-imports parallel_state and defines its own ``get_tensor_model_parallel_rank``: a
+    ``def`` bound the name where the text check looked for assignments only, and the skeleton stood a placeholder in
+    for the definition, so libcst's scopes found none; the read became the grid's."""
+    source = """\
+    from megatron.core.parallel_state import *  # noqa: F403
+
+
+    if True:
+        class get_pipeline_model_parallel_rank:  # noqa: N801
+            pass
+
+
+    def get_tensor_model_parallel_rank():
+        return 99
+
+
+    def f():
+        rank = get_tensor_model_parallel_rank()
+        return rank, get_tensor_model_parallel_world_size(), get_pipeline_model_parallel_rank()
+    """
+    assert ways(run(tmp_path, {"m.py": source})) == {
+        (14, "get_tensor_model_parallel_rank"):
+            "left: `get_tensor_model_parallel_rank` is a name the module assigns, not an import of parallel_state",
+        (15, "get_tensor_model_parallel_world_size"): "threaded",
+        (15, "get_pipeline_model_parallel_rank"):
+            "left: `get_pipeline_model_parallel_rank` is a name the module assigns, not an import of parallel_state",
+    }

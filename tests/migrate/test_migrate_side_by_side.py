@@ -31,7 +31,7 @@ pytest.importorskip("libcst")
 
 from fixtures.migrated_packages import write_sources  # noqa: E402
 
-from pgregistry._source.config import PRESETS  # noqa: E402
+from pgregistry._source.config import PRESETS, ScanConfig  # noqa: E402
 from pgregistry.migrate._engine import migrate  # noqa: E402
 
 #: Megatron-Core's ``parallel_state`` as the probes see it: a stand-in, fast to import (torch is not), whose accessors
@@ -108,15 +108,16 @@ def _outcomes(root: Path, expressions: list[str], megatron: str) -> dict[str, st
 
 def _side_by_side(tmp_path: Path, files: dict[str, str], expressions: list[str],
                   settings: tuple[str, ...] = ("with", "without"),
-                  outside: dict[str, str] | None = None) -> dict[str, str]:
+                  outside: dict[str, str] | None = None, config: ScanConfig = PRESETS["megatron"]) -> dict[str, str]:
     """Each of ``expressions``' outcome in the original tree and in its migrated copy, with Megatron-Core and without
     it (``settings``): asserted equal; returned for the original with Megatron-Core (to check the probe sees
-    something). ``outside``: modules both trees import that are not migrated (a package outside the tree)."""
+    something). ``outside``: modules both trees import that are not migrated (a package outside the tree);
+    ``config``: the scan settings the migration runs with."""
     original, migrated = tmp_path / "original", tmp_path / "migrated"
     write_sources(tmp_path / "outside", {path: textwrap.dedent(text) for path, text in (outside or {}).items()})
     write_sources(original, {path: textwrap.dedent(text) for path, text in files.items()})
     sources = write_sources(migrated, {path: textwrap.dedent(text) for path, text in files.items()})
-    migration = migrate(sources, PRESETS["megatron"], target="megatron", name="pg_collection")
+    migration = migrate(sources, config, target="megatron", name="pg_collection")
     assert not migration.failures, migration.failures
     assert migration.changes, "nothing was rewritten: the test would compare a tree with itself"
     for change in migration.changes:
@@ -927,3 +928,73 @@ def test_a_collection_declared_without_a_value_in_a_plain_class_is_read_with_get
     seen = _side_by_side(tmp_path, files, expressions)
     assert seen == dict(zip(expressions, ["3", "4"], strict=True)), seen
     assert 'pg_size(self.pg_collection, "tp")' in (tmp_path / "migrated" / "pkg" / "model.py").read_text()
+
+
+def test_an_import_in_a_with_block_still_skips_the_rest_of_the_block_where_it_fails(tmp_path: Path) -> None:
+    """``with contextlib.suppress(ImportError):`` around an import of an accessor some releases lack
+    (``get_expert_tensor_parallel_rank`` came with Megatron-Core 0.10; the stand-in's ``parallel_state`` lacks it),
+    then another import of Megatron-Core and a flag: where the name is missing the original leaves the rest of the
+    block and the flag False. Outside a ``try`` or ``with`` the rewrite drops an import left unused when one of the
+    same package follows it (without Megatron-Core that one fails first, alike); inside a ``with`` that dropped it
+    too, so the block ran on, the flag said True and the function fell back to an accessor that is not there
+    (``AttributeError``). An import in a ``with`` stays, whatever follows it."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/optional.py": """
+            import contextlib
+
+            HAVE_EXPERT_TP = False
+            with contextlib.suppress(ImportError):
+                from megatron.core.parallel_state import get_expert_tensor_parallel_rank
+                from megatron.core.config import Config
+                HAVE_EXPERT_TP = True
+
+            def rank():
+                if HAVE_EXPERT_TP:
+                    return get_expert_tensor_parallel_rank(), Config.name
+                return "no expert TP"
+        """,
+    }
+    optional = "__import__('pkg.optional').optional"
+    expressions = [f"{optional}.HAVE_EXPERT_TP", f"{optional}.rank()"]
+    seen = _side_by_side(tmp_path, files, expressions)
+    assert seen == dict(zip(expressions, ["False", "'no expert TP'"], strict=True)), seen
+
+
+def test_a_name_bound_to_another_module_than_megatron_cores_parallel_state_is_not_read_as_it(tmp_path: Path) -> None:
+    """Under the default names (no ``--preset``: any module named ``parallel_state`` or ``mpu``), vLLM's
+    ``vllm.distributed.parallel_state`` (NeMo RL imports it) was rewritten into reads of Megatron-Core's grid, which
+    the fallback helper reads: another module's globals. And where ``try: from megatron.core import parallel_state as
+    mpu`` falls back to ``except ImportError: from pkg.testing import cpu_stand_in as mpu``, the read was rewritten
+    for the one binding alone: without Megatron-Core the helper failed where the original answered from the user's
+    module. Both stay, with the reason; the read of Megatron-Core's own module beside them is rewritten."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/inference.py": """
+            from megatron.core import parallel_state
+            from vllm.distributed import parallel_state as vllm_ps
+
+            def ranks():
+                return vllm_ps.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+        """,
+        "pkg/optional.py": """
+            try:
+                from megatron.core import parallel_state as mpu
+            except ImportError:
+                from pkg.testing import cpu_stand_in as mpu
+
+            def size():
+                return mpu.get_tensor_model_parallel_world_size()
+        """,
+        "pkg/testing/__init__.py": "",
+        "pkg/testing/cpu_stand_in.py": """
+            def get_tensor_model_parallel_world_size():
+                return 1
+        """,
+    }
+    vllm = {"vllm/__init__.py": "", "vllm/distributed/__init__.py": "",
+            "vllm/distributed/parallel_state.py": "def get_tensor_model_parallel_rank():\n    return 7\n"}
+    expressions = ["__import__('pkg.inference').inference.ranks()", "__import__('pkg.optional').optional.size()"]
+    seen = _side_by_side(tmp_path, files, expressions, outside=vllm, config=ScanConfig())
+    assert seen == dict(zip(expressions, ["(7, 3)", "4"], strict=True)), seen
+    assert 'pg_rank(pg_collection, "tp")' in (tmp_path / "migrated" / "pkg" / "inference.py").read_text()
