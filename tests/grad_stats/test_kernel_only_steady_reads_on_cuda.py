@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.interpreter import in_spawned_process
 from fixtures.kernel_only_reads import CASES, calls_on, check_case
 
 from pgregistry.grad_stats._compiled import steady_checks
@@ -19,14 +20,22 @@ from pgregistry.grad_stats._fused import can_run_fused_stats
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module")
-def on_cuda() -> dict[str, Any]:
+def _on_cuda() -> dict[str, Any] | str:
+    """:data:`CASES` on the GPU, else why they cannot run there (in a spawned process: see ``in_spawned_process``)."""
     device = torch.device("cuda", 0)
     if not can_run_fused_stats(device):
-        pytest.skip("the one-read kernels do not run on this GPU (triton missing or its probe failed)")
+        return "the one-read kernels do not run on this GPU (triton missing or its probe failed)"
     if steady_checks() is None:
-        pytest.skip("the compiled checks are not built here (PGREGISTRY_COMPILED_CHECKS, or no compiler or ninja)")
+        return "the compiled checks are not built here (PGREGISTRY_COMPILED_CHECKS, or no compiler or ninja)"
     return calls_on(device)
+
+
+@pytest.fixture(scope="module")
+def on_cuda() -> dict[str, Any]:
+    calls = in_spawned_process(_on_cuda, timeout=80.0)
+    if isinstance(calls, str):
+        pytest.skip(calls)
+    return calls
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=[case.replace(" ", "-") for case in CASES])
