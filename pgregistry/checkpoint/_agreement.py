@@ -54,6 +54,7 @@ __all__ = [
     "Scope",
     "run_agreed_step",
     "digest_of",
+    "each_same_on_every_rank",
     "elsewhere_named",
     "name_lost_ranks",
     "max_over_ranks",
@@ -214,9 +215,16 @@ def same_on_every_rank(keys: list[str], scope: Scope) -> bool:
     """Whether every rank of ``scope`` holds the same ``keys``, in the same order.
 
     One all-reduce of two integers: the maximum of :func:`digest_of` and of its negation."""
-    digest = digest_of(keys)
-    largest, negated_smallest = max_over_ranks([digest, -digest], scope)
-    return largest == -negated_smallest
+    return each_same_on_every_rank([keys], scope)[0]
+
+
+def each_same_on_every_rank(key_lists: list[list[str]], scope: Scope) -> list[bool]:
+    """For each list of ``key_lists``, whether every rank of ``scope`` holds it alike, in order.
+
+    One all-reduce of two integers a list: :func:`same_on_every_rank`'s, for all of them at once."""
+    digests = [digest_of(keys) for keys in key_lists]
+    maxima = max_over_ranks([value for digest in digests for value in (digest, -digest)], scope)
+    return [largest == -maxima[2 * at + 1] for at, largest in enumerate(maxima[::2])]
 
 
 def raise_on_every_rank(error: BaseException | None, elsewhere: Exception, scope: Scope) -> None:

@@ -32,8 +32,7 @@ from pgregistry._runtime.resolve import normalise_model, normalise_params, resol
 from pgregistry.attachments import collection_of
 from pgregistry.checkpoint._agreement import (
     Scope,
-    digest_of,
-    max_over_ranks,
+    each_same_on_every_rank,
     run_agreed_step,
     same_on_every_rank,
     scope_of,
@@ -291,12 +290,11 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
         sharded = [name for name, shard in model.sharded.items() if shard.group is group]
         pieces = [f"{name!r} {tuple(model.params[name].shape)}" for name in sharded]
         cuts = [_cut_of(model, name) for name in sharded]
-        shapes, cut_digest = digest_of(pieces), digest_of([str(cut) for cut in cuts])
         tp_group = Scope(group_rank(group), group_size(group), group)
-        largest, negated_smallest, largest_cuts, negated_smallest_cuts = max_over_ranks(
-            [shapes, -shapes, cut_digest, -cut_digest], tp_group
+        same_shapes, same_cuts = each_same_on_every_rank(
+            [pieces, [str(cut) for cut in cuts]], tp_group
         )
-        if largest != -negated_smallest:
+        if not same_shapes:
             raise ValueError(
                 f"{owner}: the ranks {dist.get_process_group_ranks(group)} of a TP group hold "
                 "TP-sharded pieces of other shapes (or other TP-sharded parameters); this rank's: "
@@ -304,7 +302,7 @@ def refuse_unequal_pieces(model: RankModel, owner: str) -> None:
                 "each TP-sharded parameter a size the TP size divides (pad it, as Megatron-Core "
                 "pads its vocabulary), and mark only parameters sharded on every TP rank"
             )
-        if largest_cuts != -negated_smallest_cuts:
+        if not same_cuts:
             _refuse_unlike_cuts(sharded, cuts, group, owner)
 
 
